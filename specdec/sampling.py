@@ -1,0 +1,97 @@
+"""Logits -> processed probabilities, and sampling with an explicit generator.
+
+Exact speculative decoding is exact with respect to the *processed* target distribution: the
+temperature, top-k, top-p and min-p applied here are applied identically to the target's logits
+(giving ``p``) and to the draft's logits (giving the ``q`` the draft actually sampled from).
+
+Order of processing (the same as Hugging Face's default warper order):
+temperature -> top-k -> top-p -> min-p, then renormalise.
+
+Temperature 0 means greedy: a one-hot distribution on the argmax, ties going to the lowest id
+(``torch.argmax`` returns the first maximal index). A greedy row is an ordinary distribution to
+the verifier, so greedy and sampled rows can share one batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "probs_from_logits", "sample", "greedy_one_hot"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn a row of logits into the distribution that is sampled from.
+
+    temperature: 0 means greedy (one-hot argmax); > 0 divides the logits.
+    top_k: keep the k most likely tokens (0 or None: off).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1.0: off).
+    min_p: drop tokens whose probability is below min_p * max probability (0.0: off).
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 or None, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def greedy_one_hot(logits: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One-hot distribution on the argmax of the last dimension (lowest id wins ties)."""
+    idx = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
+    out = torch.zeros(logits.shape, dtype=dtype or _prob_dtype(logits), device=logits.device)
+    return out.scatter_(-1, idx, 1.0)
+
+
+def _prob_dtype(logits: torch.Tensor) -> torch.dtype:
+    # Probabilities are kept in at least fp32: bf16 cannot represent small residual masses.
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed probabilities for logits of shape ``[..., V]``; the result has the same shape.
+
+    Every row sums to 1 and is finite; tokens removed by top-k/top-p/min-p have probability 0.
+    """
+    if logits.dim() == 0:
+        raise ValueError("logits must have at least one dimension (the vocabulary)")
+    if params.greedy:
+        return greedy_one_hot(logits)
+    x = logits.to(_prob_dtype(logits)) / params.temperature  # [..., V]
+    vocab = x.shape[-1]
+    if params.top_k and params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [..., V]
+        drop_sorted = mass_before >= params.top_p  # the first token always has mass_before == 0
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token id per row of ``probs`` ``[..., V]``; returns ``[...]`` long."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    ids = torch.multinomial(flat, 1, generator=generator)  # [N, 1]
+    return ids.reshape(probs.shape[:-1])

@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from specdec.sampling import SamplingParams, probs_from_logits, sample
+
+
+def test_greedy_is_one_hot_with_ties_to_lowest_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=0.0))
+    assert probs.tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
+
+
+def test_temperature_matches_softmax():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    probs = probs_from_logits(logits, SamplingParams(temperature=0.7))
+    torch.testing.assert_close(probs, torch.softmax(logits / 0.7, -1))
+
+
+def test_top_k_top_p_min_p():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04]))
+    top_k = probs_from_logits(logits, SamplingParams(top_k=2))
+    torch.testing.assert_close(top_k, torch.tensor([4 / 7, 3 / 7, 0, 0, 0]))
+    # top_p=0.75: 0.4 + 0.3 = 0.7 < 0.75, so the 0.2 token is needed too.
+    top_p = probs_from_logits(logits, SamplingParams(top_p=0.75))
+    torch.testing.assert_close(top_p, torch.tensor([0.4, 0.3, 0.2, 0, 0]) / 0.9)
+    min_p = probs_from_logits(logits, SamplingParams(min_p=0.45))  # keep p >= 0.18
+    torch.testing.assert_close(min_p, torch.tensor([0.4, 0.3, 0.2, 0, 0]) / 0.9)
+
+
+def test_rows_sum_to_one_and_are_finite_with_extreme_logits():
+    logits = torch.tensor([[1e4, -1e4, 0.0], [float("-inf"), 0.0, 0.0]])
+    for params in [SamplingParams(), SamplingParams(temperature=0.1, top_p=0.5), SamplingParams(top_k=1)]:
+        probs = probs_from_logits(logits, params)
+        assert torch.isfinite(probs).all()
+        torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+
+
+def test_sample_uses_explicit_generator():
+    probs = torch.full((4, 50), 1 / 50)
+    a = sample(probs, torch.Generator().manual_seed(7))
+    b = sample(probs, torch.Generator().manual_seed(7))
+    assert torch.equal(a, b) and a.shape == (4,)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=2.0)]
+)
+def test_bad_params_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)

@@ -1,0 +1,32 @@
+"""The Proposer protocol: suggest up to k tokens per row, then learn what was committed.
+
+A proposer owns whatever state it needs (a draft model's KV cache, an n-gram index) and keeps it
+in step with the committed text through ``observe``. The engine never touches that state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, k] long
+    probs: torch.Tensor | None  # [B, k, V] the distributions the tokens were sampled from; None = deterministic
+
+
+class Proposer(Protocol):
+    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator) -> None:
+        """Begin a batch: ``prompts`` are the token ids already in each row's context."""
+
+    def propose(self, pending: list[list[int]], k: int) -> Proposal:
+        """Propose ``k`` tokens per row. ``pending[b]`` holds the tokens committed since the last
+        call (the first call gets the first generated token): the proposer has not seen them yet."""
+
+    def observe(self, num_accepted: torch.Tensor) -> None:
+        """``num_accepted`` ``[B]``: how many of the last proposal's tokens the target accepted."""

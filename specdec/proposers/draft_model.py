@@ -1,0 +1,80 @@
+"""A smaller language model as the proposer; it owns its KV cache and rolls it back itself."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.proposers.base import Proposal
+from specdec.runtime.model import Transformer
+from specdec.sampling import SamplingParams, probs_from_logits
+
+
+class DraftModelProposer:
+    """Samples k tokens autoregressively from the draft with the rows' own sampling parameters,
+    so the returned ``probs`` are exactly the processed ``q`` each token was drawn from."""
+
+    def __init__(self, model: Transformer, capacity: int) -> None:
+        self.model = model
+        self.capacity = capacity
+        self.cache = None
+        self._fed_drafts = 0  # draft tokens of the last proposal that were written into the cache
+
+    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator) -> None:
+        self.params, self.generator = params, generator
+        self.cache = self.model.new_cache(len(prompts), self.capacity)
+        lengths = torch.tensor([len(p) for p in prompts])
+        # Feed all but the last prompt token; the last one arrives with the first pending tokens.
+        context = [p[:-1] for p in prompts]
+        self._pending_prefix = [[p[-1]] for p in prompts]
+        self._skip = [0] * len(prompts)
+        longest = max(len(c) for c in context)
+        if longest > 0:
+            padded = torch.tensor([c + [0] * (longest - len(c)) for c in context])
+            self.model(padded, self.cache, logit_index=torch.zeros(len(prompts), 1, dtype=torch.long))
+            self.cache.truncate(lengths - 1)
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B, V]
+        if not torch.isfinite(logits).all():
+            raise ValueError("the draft model produced non-finite logits")
+        return torch.stack([probs_from_logits(logits[b], self.params[b]) for b in range(logits.shape[0])])
+
+    def propose(self, pending: list[list[int]], k: int) -> Proposal:
+        batch = len(pending)
+        # Skip the accepted drafts already in the cache; prepend what start() held back.
+        feed = [pre + new[skip:] for pre, new, skip in zip(self._pending_prefix, pending, self._skip)]
+        self._pending_prefix = [[] for _ in range(batch)]
+        self._skip = [0] * batch
+        counts = torch.tensor([len(f) for f in feed])
+        if k == 0:  # keep the context in the cache for later steps
+            self._feed(feed, counts)
+            self._fed_drafts = 0
+            return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
+        logits = self._feed(feed, counts)  # [B, V]
+        tokens, probs = [], []
+        for i in range(k):
+            q = self._probs(logits)  # [B, V]
+            token = torch.multinomial(q, 1, generator=self.generator)  # [B, 1]
+            tokens.append(token)
+            probs.append(q)
+            if i < k - 1:
+                logits = self.model(token, self.cache)[:, -1]
+        self._fed_drafts = k - 1
+        self._last = torch.cat(tokens, 1)
+        return Proposal(self._last, torch.stack(probs, 1))
+
+    def _feed(self, feed: list[list[int]], counts: torch.Tensor) -> torch.Tensor:
+        width = int(counts.max())
+        before = self.cache.lengths.clone()
+        padded = torch.tensor([f + [0] * (width - len(f)) for f in feed])
+        logits = self.model(padded, self.cache, logit_index=(counts - 1).unsqueeze(1))[:, 0]
+        self.cache.truncate(before + counts)
+        return logits
+
+    def observe(self, num_accepted: torch.Tensor) -> None:
+        # The cache holds the fed pending tokens plus drafts d_1..d_{k-1}. Keep the accepted ones
+        # and skip them in the next pending list; an accepted d_k (never fed) is fed next time,
+        # together with the bonus token.
+        fed = self._fed_drafts
+        keep = torch.clamp(num_accepted, max=fed)
+        self.cache.truncate(self.cache.lengths - fed + keep)
+        self._skip = keep.tolist()

@@ -1,0 +1,85 @@
+"""The KV cache: the ONLY owner of cache positions in specdec.
+
+Preallocated per layer, indexed by slot (gpt-fast style), with a per-row length. A forward call
+appends a block of ``T`` slots at each row's length; ``truncate`` rolls back in O(1) by lowering
+lengths — stale slots past a row's length are never attended to (the model's mask only admits
+committed slots and the current block), and they are overwritten by the next block.
+
+Layout: ``k[layer]`` and ``v[layer]`` are ``[B, H_kv, capacity, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if batch < 1 or capacity < 1:
+            raise ValueError("KVCache needs batch >= 1 and capacity >= 1")
+        self.capacity = capacity
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # [B] committed + appended slots per row
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def block_slots(self, block_len: int) -> torch.Tensor:
+        """``[B, T]`` the slots a block of ``block_len`` new tokens will occupy in each row."""
+        slots = self.lengths.unsqueeze(1) + torch.arange(block_len).unsqueeze(0)
+        if int(slots.max()) >= self.capacity if slots.numel() else False:
+            raise ValueError(
+                f"KV cache overflow: a row would reach {int(slots.max()) + 1} slots, capacity is {self.capacity}"
+            )
+        return slots
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store ``k_new``/``v_new`` ``[B, H, T, D]`` at ``slots`` ``[B, T]`` of ``layer``."""
+        start = slots[:, 0]
+        if bool((start == start[0]).all()):  # common case: every row at the same length
+            s0, t = int(start[0]), slots.shape[1]
+            self.k[layer, :, :, s0 : s0 + t] = k_new
+            self.v[layer, :, :, s0 : s0 + t] = v_new
+            return
+        rows = torch.arange(self.batch).unsqueeze(1)  # [B, 1]
+        self.k[layer][rows, :, slots] = k_new.transpose(1, 2)  # index result is [B, T, H, D]
+        self.v[layer][rows, :, slots] = v_new.transpose(1, 2)
+
+    def view(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first ``num_slots`` slots: ``[B, H, S, D]`` each."""
+        return self.k[layer, :, :, :num_slots], self.v[layer, :, :, :num_slots]
+
+    def advance(self, counts: torch.Tensor | int) -> None:
+        """Mark ``counts`` (per row or for all rows) more slots as written."""
+        self.lengths = self.lengths + counts
+
+    def truncate(self, lengths: torch.Tensor | int) -> None:
+        """Roll back to ``lengths`` (per row, or one int for all rows) in O(1): no data moves."""
+        new = torch.as_tensor(lengths, dtype=torch.long).expand(self.batch).clone()
+        if bool((new < 0).any()) or bool((new > self.lengths).any()):
+            raise ValueError(f"truncate({new.tolist()}) must be between 0 and the current lengths {self.lengths.tolist()}")
+        self.lengths = new
+
+    def fork(self, rows: torch.Tensor | list[int]) -> "KVCache":
+        """A copy holding the given rows (repeat a row to branch it, e.g. for candidate trees)."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        other = KVCache.__new__(KVCache)
+        other.capacity = self.capacity
+        other.k = self.k[:, index].clone()
+        other.v = self.v[:, index].clone()
+        other.lengths = self.lengths[index].clone()
+        return other
+
+    def reset(self) -> None:
+        self.lengths = torch.zeros_like(self.lengths)

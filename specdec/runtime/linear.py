@@ -1,0 +1,98 @@
+"""Linear layers for each runtime dtype, from torch's own kernels (no hand-written GEMM).
+
+``int8``: per-channel int8 weights, int8 activations with one scale PER ROW, integer
+accumulation — through fbgemm's dynamic quantized linear. fbgemm picks a single activation scale
+for the whole input tensor (from its min and max), which would make a row's output depend on the
+other rows in the call (a row moved by up to 0.70 when another row had a larger range). We make
+that shared choice constant: each row is divided by its own max |x| and two anchor columns holding
++1 and -1 (multiplied by zero weights) are appended, so every input tensor has min -1 and max +1
+and fbgemm's per-tensor scale is always the same. Each row is then quantized with its own
+effective scale, the int32 accumulation is exact, and the result is rescaled by the row's max.
+Outputs are therefore bit-identical whatever else shares the call (tested), and a block of 5 rows
+costs about 1.3x one row on this CPU (see docs/BENCHMARKS.md).
+
+Activation outliers. A few input channels of LLM linears are ~100x larger than the rest, and a
+per-row scale set by them quantizes the other channels to a handful of levels. As in SmoothQuant
+(Xiao et al. 2023) we move part of that range into the weights: with ``a_c`` the calibrated max
+|activation| of input channel ``c`` and ``w_c`` the max |weight| of that column,
+``s_c = sqrt(a_c / w_c)``; the layer computes ``(x / s) @ (W * s)^T``, which is the same product
+in exact arithmetic. The division is elementwise, so row independence is kept.
+
+``float32`` / ``bfloat16``: ``F.linear`` in that dtype (summation order may differ by ~1e-6
+between call shapes).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+_ANCHOR_COLUMNS = 8  # +1, -1, then zeros: keeps K a multiple of 8 when it was one
+
+
+class FloatLinear(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = weight.to(dtype).contiguous()  # [N, K]
+        self.bias = None if bias is None else bias.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+class RowInt8Linear(torch.nn.Module):
+    """int8 weights (per output channel) x int8 activations (per row), fbgemm kernel; see module doc."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_absmax: torch.Tensor | None = None) -> None:
+        super().__init__()
+        out_features, in_features = weight.shape
+        weight = weight.float()
+        self.inv_smooth = None
+        if act_absmax is not None:
+            w_absmax = weight.abs().amax(0).clamp(min=1e-8)  # [K]
+            smooth = (act_absmax.float().clamp(min=1e-5) / w_absmax).sqrt().clamp(min=1e-2, max=1e2)  # [K]
+            weight = weight * smooth
+            self.inv_smooth = 1.0 / smooth
+        w = torch.cat([weight, weight.new_zeros(out_features, _ANCHOR_COLUMNS)], 1)  # [N, K+8]
+        scales = (w.abs().amax(1) / 127.0).clamp(min=1e-12).double()  # [N]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch marks quantized tensor creation as deprecated
+            qweight = torch.quantize_per_channel(w, scales, torch.zeros(out_features, dtype=torch.long), 0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if bias is None else bias.float()
+        anchor = torch.zeros(_ANCHOR_COLUMNS)
+        anchor[0], anchor[1] = 1.0, -1.0
+        self.register_buffer("_anchor", anchor, persistent=False)
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
+        if self.inv_smooth is not None:
+            x2 = x2 * self.inv_smooth
+        row_max = x2.abs().amax(-1, keepdim=True).clamp(min=1e-30)  # [M, 1]
+        xn = torch.cat([x2 / row_max, self._anchor.expand(x2.shape[0], -1)], 1)  # [M, K+8], range exactly [-1, 1]
+        y = torch.ops.quantized.linear_dynamic(xn, self._packed, True) * row_max  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: str, act_absmax: torch.Tensor | None = None
+) -> torch.nn.Module:
+    """A linear layer for ``dtype``; ``act_absmax`` (int8 only) enables outlier smoothing."""
+    if dtype == "int8":
+        return RowInt8Linear(weight, bias, act_absmax)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return FloatLinear(weight, bias, DTYPES[dtype])
+
+
+def activation_dtype(dtype: str) -> torch.dtype:
+    """The dtype hidden states are carried in: bf16 for bfloat16, fp32 otherwise."""
+    return torch.bfloat16 if dtype == "bfloat16" else torch.float32

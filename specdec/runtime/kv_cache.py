@@ -56,10 +56,6 @@ class KVCache:
         self.k[layer][rows, :, slots] = k_new.transpose(1, 2)  # index result is [B, T, H, D]
         self.v[layer][rows, :, slots] = v_new.transpose(1, 2)
 
-    def view(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the first ``num_slots`` slots: ``[B, H, S, D]`` each."""
-        return self.k[layer, :, :, :num_slots], self.v[layer, :, :, :num_slots]
-
     def advance(self, counts: torch.Tensor | int) -> None:
         """Mark ``counts`` (per row or for all rows) more slots as written."""
         self.lengths = self.lengths + counts

@@ -44,32 +44,63 @@ class FloatLinear(torch.nn.Module):
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
+def quantize_int8(
+    weight: torch.Tensor, bias: torch.Tensor | None, act_absmax: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The plain tensors that define a :class:`RowInt8Linear` (what the on-disk cache stores).
+
+    qweight ``[N, K+8]`` int8 (anchor columns are zero), scale ``[N]`` fp64 per output channel,
+    and optionally inv_smooth ``[K]`` and bias ``[N]``.
+    """
+    out_features = weight.shape[0]
+    weight = weight.float()
+    state: dict[str, torch.Tensor] = {}
+    if act_absmax is not None:
+        w_absmax = weight.abs().amax(0).clamp(min=1e-8)  # [K]
+        smooth = (act_absmax.float().clamp(min=1e-5) / w_absmax).sqrt().clamp(min=1e-2, max=1e2)  # [K]
+        weight = weight * smooth
+        state["inv_smooth"] = 1.0 / smooth
+    scale = (weight.abs().amax(1) / 127.0).clamp(min=1e-12).double()  # [N]
+    q = torch.round(weight / scale.unsqueeze(1).float()).clamp_(-127, 127).to(torch.int8)
+    state["qweight"] = torch.cat([q, q.new_zeros(out_features, _ANCHOR_COLUMNS)], 1)  # [N, K+8]
+    state["scale"] = scale
+    if bias is not None:
+        state["bias"] = bias.float()
+    return state
+
+
 class RowInt8Linear(torch.nn.Module):
     """int8 weights (per output channel) x int8 activations (per row), fbgemm kernel; see module doc."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_absmax: torch.Tensor | None = None) -> None:
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        out_features, in_features = weight.shape
-        weight = weight.float()
-        self.inv_smooth = None
-        if act_absmax is not None:
-            w_absmax = weight.abs().amax(0).clamp(min=1e-8)  # [K]
-            smooth = (act_absmax.float().clamp(min=1e-5) / w_absmax).sqrt().clamp(min=1e-2, max=1e2)  # [K]
-            weight = weight * smooth
-            self.inv_smooth = 1.0 / smooth
-        w = torch.cat([weight, weight.new_zeros(out_features, _ANCHOR_COLUMNS)], 1)  # [N, K+8]
-        scales = (w.abs().amax(1) / 127.0).clamp(min=1e-12).double()  # [N]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch marks quantized tensor creation as deprecated
-            qweight = torch.quantize_per_channel(w, scales, torch.zeros(out_features, dtype=torch.long), 0, torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
-        self.bias = None if bias is None else bias.float()
+        qweight = state["qweight"]
+        out_features = qweight.shape[0]
+        self._state: dict[str, torch.Tensor] | None = state  # until packed
+        self._packed = None
+        self.inv_smooth = state.get("inv_smooth")
+        self.bias = state.get("bias")
         anchor = torch.zeros(_ANCHOR_COLUMNS)
         anchor[0], anchor[1] = 1.0, -1.0
         self.register_buffer("_anchor", anchor, persistent=False)
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features = qweight.shape[1] - _ANCHOR_COLUMNS, out_features
+
+    def pack(self) -> None:
+        """Prepack the weight for fbgemm (slow: ~0.1 s per large layer; see LinearBuilder.pack_all)."""
+        if self._packed is not None:
+            return
+        qweight, scale = self._state["qweight"], self._state["scale"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch marks quantized tensor creation as deprecated
+            qtensor = torch._make_per_channel_quantized_tensor(
+                qweight, scale, torch.zeros(qweight.shape[0], dtype=torch.long), 0
+            )
+            self._packed = torch.ops.quantized.linear_prepack(qtensor, None)
+        self._state = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            self.pack()
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()  # [M, K]
         if self.inv_smooth is not None:
@@ -82,15 +113,46 @@ class RowInt8Linear(torch.nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, dtype: str, act_absmax: torch.Tensor | None = None
-) -> torch.nn.Module:
-    """A linear layer for ``dtype``; ``act_absmax`` (int8 only) enables outlier smoothing."""
-    if dtype == "int8":
-        return RowInt8Linear(weight, bias, act_absmax)
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    return FloatLinear(weight, bias, DTYPES[dtype])
+class LinearBuilder:
+    """Builds a model's linear layers for one dtype.
+
+    Layers are requested by name with *functions* that produce the weight and bias, so that when
+    int8 layers come from the on-disk cache (``quantized``) the fp32 weights are never read.
+    ``exported`` collects the quantized tensors of layers built from fp32, for saving.
+    """
+
+    def __init__(self, dtype: str, act_absmax: dict[str, torch.Tensor] | None = None,
+                 quantized: dict[str, torch.Tensor] | None = None) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        self.dtype = dtype
+        self.act_absmax = act_absmax or {}
+        self.quantized = quantized
+        self.exported: dict[str, torch.Tensor] = {}
+        self._to_pack: list[RowInt8Linear] = []
+
+    def pack_all(self) -> None:
+        """Prepack every int8 layer, two threads at a time (the packing op releases the GIL)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, min(4, torch.get_num_threads()))) as pool:
+            list(pool.map(RowInt8Linear.pack, self._to_pack))
+        self._to_pack.clear()
+
+    def __call__(self, name: str, weight_fn, bias_fn=lambda: None) -> torch.nn.Module:
+        if self.dtype != "int8":
+            return FloatLinear(weight_fn(), bias_fn(), DTYPES[self.dtype])
+        if self.quantized is not None:
+            prefix = name + "."
+            state = {k[len(prefix):]: v for k, v in self.quantized.items() if k.startswith(prefix)}
+            if "qweight" not in state:
+                raise KeyError(f"quantized cache has no layer {name!r}")
+        else:
+            state = quantize_int8(weight_fn(), bias_fn(), self.act_absmax.get(name))
+            self.exported.update({f"{name}.{k}": v for k, v in state.items()})
+        layer = RowInt8Linear(state)
+        self._to_pack.append(layer)
+        return layer
 
 
 def activation_dtype(dtype: str) -> torch.dtype:

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from specdec.runtime.config import ModelConfig  # noqa: E402
 from specdec.runtime.model import Transformer  # noqa: E402
 
 
+QUANT_FORMAT = "row-int8-smooth-v1"  # bump when the quantized layout or recipe changes
+
+
 @dataclass
 class LoadedModel:
     name: str
@@ -38,6 +42,10 @@ class LoadedModel:
 
 def _converted_dir(key: str) -> Path:
     return registry.home() / "converted" / key
+
+
+def converted_dir_for(spec: registry.ModelSpec) -> Path:
+    return _converted_dir(f"{spec.name}-{spec.sha256[:12]}")
 
 
 def _gguf_key(path: Path) -> str:
@@ -55,7 +63,7 @@ def source_dir(name_or_path: str, *, install: bool = False) -> Path:
                     f"model {spec.name!r} is not installed: run `specdec models install {spec.name}`"
                 )
             registry.install(spec)
-        return convert_gguf(spec.gguf_path, _converted_dir(f"{spec.name}-{spec.sha256[:12]}"))
+        return convert_gguf(spec.gguf_path, converted_dir_for(spec))
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path, _converted_dir(f"{path.stem}-{_gguf_key(path)}"))
@@ -94,32 +102,60 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
-def load_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class LazyWeights(Mapping):
+    """Parameter name -> tensor over a directory's safetensors files, read on first access."""
 
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {directory}")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    # Some checkpoints (e.g. multimodal Gemma 3) nest the text model; normalise the prefix.
-    return {k.replace("model.language_model.", "model."): v for k, v in weights.items()}
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {directory}")
+        self._where: dict[str, tuple[object, str]] = {}
+        for f in files:
+            handle = safe_open(str(f), framework="pt")
+            for key in handle.keys():
+                # Some checkpoints (e.g. multimodal Gemma 3) nest the text model; normalise the prefix.
+                self._where[key.replace("model.language_model.", "model.")] = (handle, key)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        handle, key = self._where[name]
+        return handle.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def load(name_or_path: str, dtype: str = "int8", *, install: bool = False) -> LoadedModel:
+    """Load a model for inference. int8 layers are cached on disk after the first build, so a
+    second load reads ~1 byte per weight and only repacks it for the kernel."""
+    from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoTokenizer
 
     start = time.perf_counter()
     directory = source_dir(name_or_path, install=install)
     hf_config = AutoConfig.from_pretrained(str(directory))
     cfg = ModelConfig.from_hf(hf_config)
-    weights = load_weights(directory)
+    weights = LazyWeights(directory)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    act_absmax = None
     if dtype == "int8":
-        act_absmax = cached_calibration(directory, registry.home(), cfg, weights, tokenizer)
-    model = Transformer(cfg, weights, dtype, act_absmax)
+        key = hashlib.sha256(f"{directory.resolve()}:{QUANT_FORMAT}".encode()).hexdigest()[:16]
+        qpath = registry.home() / "quantized" / f"{key}.safetensors"
+        if qpath.exists():
+            model = Transformer(cfg, weights, dtype, quantized=load_file(str(qpath)))
+        else:
+            print(f"specdec: quantizing {directory.name} to int8 once (calibrate, quantize); cached at {qpath}", flush=True)
+            act_absmax = cached_calibration(directory, registry.home(), cfg, weights, tokenizer)
+            model = Transformer(cfg, weights, dtype, act_absmax)
+            qpath.parent.mkdir(parents=True, exist_ok=True)
+            save_file(model.quantized_state, str(qpath) + ".tmp")
+            os.replace(str(qpath) + ".tmp", qpath)
+            model.quantized_state = {}
+    else:
+        model = Transformer(cfg, weights, dtype)
     spec = registry.resolve(name_or_path)
     name = spec.name if spec else str(name_or_path)
     return LoadedModel(name, model, tokenizer, directory, time.perf_counter() - start)

@@ -1,0 +1,130 @@
+"""Text in, text out: tokenization, chat templates, stop strings and streaming around the engine.
+
+This is the layer the CLI (and later the server) calls; the engine itself works on token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specdec.engine import RowResult, generate
+from specdec.metrics import GenerationMetrics
+from specdec.proposers import DraftModelProposer
+from specdec.runtime import loading
+from specdec.sampling import SamplingParams
+
+_EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>")
+
+
+@dataclass
+class TextResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: GenerationMetrics
+    prompt_tokens: int = 0
+
+
+@dataclass
+class TextGenerator:
+    """A loaded target (and optional draft) with its tokenizer."""
+
+    target: loading.LoadedModel
+    draft: loading.LoadedModel | None = None
+    eos_token_ids: set[int] = field(default_factory=set)
+
+    @classmethod
+    def load(cls, target: str, draft: str | None = None, dtype: str = "int8", draft_dtype: str | None = None):
+        t = loading.load(target, dtype)
+        d = loading.load(draft, draft_dtype or dtype) if draft else None
+        if d is not None:
+            check_compatible(t, d)
+        gen = cls(t, d)
+        tok = t.tokenizer
+        ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        vocab = tok.get_vocab()
+        ids |= {vocab[s] for s in _EOS_STRINGS if s in vocab}
+        gen.eos_token_ids = ids
+        return gen
+
+    def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+        tok = self.target.tokenizer
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise ValueError(f"{self.target.name} has no chat template; drop --chat")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        return tok(prompt)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.target.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        max_new_tokens: int,
+        *,
+        k: int = 0,
+        seed: int = 0,
+        stop: list[str] | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> list[TextResult]:
+        stop = [s for s in (stop or []) if s]
+
+        def stop_checker(row: int, ids: list[int]) -> int | None:
+            text = self.decode(ids)
+            return len(ids) if any(s in text for s in stop) else None
+
+        emitted = [0] * len(prompts)
+
+        def on_tokens(row: int, ids: list[int]) -> None:
+            text = _cut_at_stop(self.decode(ids), stop)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                return
+            if len(text) > emitted[row]:
+                on_text(row, text[emitted[row] :])
+                emitted[row] = len(text)
+
+        proposer = None
+        if self.draft is not None and k > 0:
+            capacity = max(len(p) for p in prompts) + max_new_tokens + k + 2
+            proposer = DraftModelProposer(self.draft.model, capacity)
+        rows: list[RowResult] = generate(
+            self.target.model,
+            prompts,
+            params,
+            max_new_tokens,
+            proposer=proposer,
+            k=k if proposer else 0,
+            seed=seed,
+            eos_token_ids=self.eos_token_ids,
+            stop_checker=stop_checker if stop else None,
+            on_tokens=on_tokens if on_text else None,
+        )
+        out = []
+        for prompt, row in zip(prompts, rows):
+            text = _cut_at_stop(self.decode(row.token_ids), stop)
+            out.append(TextResult(text, row.token_ids, row.finish_reason, row.metrics, len(prompt)))
+        return out
+
+
+def _cut_at_stop(text: str, stop: list[str]) -> str:
+    cut = min((text.find(s) for s in stop if s in text), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def check_compatible(target: loading.LoadedModel, draft: loading.LoadedModel) -> None:
+    """Draft and target must share the vocabulary: same size and the same token strings."""
+    tv, dv = target.model.vocab_size, draft.model.vocab_size
+    if tv != dv:
+        raise ValueError(f"vocabulary mismatch: target {target.name} has {tv} ids, draft {draft.name} has {dv}")
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        diff = [tok for tok, i in t_vocab.items() if d_vocab.get(tok) != i][:5]
+        raise ValueError(
+            f"tokenizer mismatch between target {target.name} and draft {draft.name}: "
+            f"token strings differ (e.g. {diff}); speculative decoding needs the same tokenizer"
+        )

@@ -8,7 +8,8 @@ accepted drafts and is truncated past them (O(1)). The final committed token (re
 bonus) is fed at the next step, so no extra target call is ever needed.
 
 Rows of a batch run in lockstep with one shared k; their acceptance is ragged. Finished rows
-(EOS, a stop string, or max_new_tokens) stop contributing tokens.
+(EOS, a stop string, or max_new_tokens) leave the batch: the target cache and the proposer keep
+only the rows still running.
 """
 
 from __future__ import annotations
@@ -22,15 +23,20 @@ import torch
 from specdec.metrics import GenerationMetrics
 from specdec.proposers.base import Proposer
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingParams, probs_per_row
 from specdec.verify import verify_chain
 
 
 @dataclass
 class RowResult:
+    """One request's output. ``metrics`` are this request's own (its acceptance, the target
+    calls it took part in, its TTFT and finish time); ``batch_metrics`` aggregate the whole
+    batch, including the time breakdown by phase."""
+
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"  # "length", "eos" or "stop"
     metrics: GenerationMetrics = field(default_factory=GenerationMetrics)
+    batch_metrics: GenerationMetrics | None = None
 
 
 # A stop checker gets (row, generated ids so far) and returns the number of ids to keep if a stop
@@ -42,7 +48,7 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams], who: str) -> torc
     """``logits`` ``[B, T, V]`` -> processed probabilities, each row with its own parameters."""
     if not torch.isfinite(logits).all():
         raise ValueError(f"the {who} model produced non-finite logits")
-    return torch.stack([probs_from_logits(logits[b], params[b]) for b in range(logits.shape[0])])
+    return probs_per_row(logits, params)
 
 
 def generate(
@@ -97,11 +103,12 @@ def generate(
     first = verify_chain(_probs(logits, row_params, "target"), None, torch.zeros(batch, 0, dtype=torch.long), g_verify)
     tm.sampling += time.perf_counter() - t
 
-    active = [True] * batch
-    last = first.tokens[:, 0].clone()  # [B] the committed token whose KV is not yet in the cache
+    last = first.tokens[:, 0].clone()  # [B'] committed tokens whose KV is not yet in the cache
     pending = [[int(x)] for x in last]
+    alive = list(range(batch))  # original row of each position in the (compacted) batch
 
-    def commit(row: int, ids: list[int]) -> None:
+    def commit(row: int, ids: list[int]) -> bool:
+        """Append ``ids`` to ``row``; returns whether the row is still going."""
         res = results[row]
         for token in ids:
             res.token_ids.append(token)
@@ -113,39 +120,53 @@ def generate(
                     del res.token_ids[keep:]
                     res.finish_reason = "stop"
             if res.finish_reason != "length" or len(res.token_ids) >= max_new_tokens:
-                active[row] = False
                 break
         if on_tokens is not None:
             on_tokens(row, res.token_ids)
+        done = res.finish_reason != "length" or len(res.token_ids) >= max_new_tokens
+        if done:
+            res.metrics.timings.total = time.perf_counter() - start
+        return not done
 
-    for row in range(batch):
-        commit(row, pending[row])
-    tm.ttft = time.perf_counter() - start
     if proposer is not None:
         t = time.perf_counter()
         proposer.start(prompts, row_params, g_draft)
         tm.draft += time.perf_counter() - t
+    for row in range(batch):
+        results[row].metrics.target_calls = 1
+        results[row].metrics.timings.ttft = time.perf_counter() - start
+    tm.ttft = time.perf_counter() - start
+    keep = [i for i in range(batch) if commit(i, pending[i])]
 
-    while any(active):
-        remaining = max(max_new_tokens - len(r.token_ids) for r, a in zip(results, active) if a)
+    while True:
+        if len(keep) < len(alive):  # drop finished rows from the batch (and from the proposer)
+            t = time.perf_counter()
+            alive, last = [alive[i] for i in keep], last[keep]
+            pending = [pending[i] for i in keep]
+            if not alive:
+                break
+            cache = cache.fork(keep)
+            if proposer is not None:
+                proposer.retain(keep)
+            tm.cache += time.perf_counter() - t
+        remaining = max(max_new_tokens - len(results[r].token_ids) for r in alive)
         step_k = min(k, remaining - 1)
         t0 = time.perf_counter()
         if proposer is not None:
             proposal = proposer.propose(pending, step_k)
             draft_tokens, draft_probs = proposal.tokens, proposal.probs
         else:
-            draft_tokens, draft_probs = torch.zeros(batch, 0, dtype=torch.long), None
+            draft_tokens, draft_probs = torch.zeros(len(alive), 0, dtype=torch.long), None
         t1 = time.perf_counter()
-        block = torch.cat([last.unsqueeze(1), draft_tokens], 1)  # [B, k+1]
+        block = torch.cat([last.unsqueeze(1), draft_tokens], 1)  # [B', k+1]
         before = cache.lengths.clone()
-        logits = target(block, cache)  # [B, k+1, V]
+        logits = target(block, cache)  # [B', k+1, V]
         metrics.target_calls += 1
         t2 = time.perf_counter()
-        result = verify_chain(_probs(logits, row_params, "target"), draft_probs, draft_tokens, g_verify)
+        params_alive = [row_params[r] for r in alive]
+        result = verify_chain(_probs(logits, params_alive, "target"), draft_probs, draft_tokens, g_verify)
         t3 = time.perf_counter()
-        # Finished rows ride along in the batch but never grow their cache.
-        alive = torch.tensor(active)
-        cache.truncate(torch.where(alive, before + 1 + result.num_accepted, before))
+        cache.truncate(before + 1 + result.num_accepted)  # roll back the rejected suffix
         last = result.tokens.gather(1, result.num_accepted.unsqueeze(1)).squeeze(1)
         t4 = time.perf_counter()
         if proposer is not None:
@@ -155,15 +176,19 @@ def generate(
         tm.verify += t2 - t1
         tm.sampling += t3 - t2
         tm.cache += t4 - t3
-        pending = []
-        for row in range(batch):
-            ids = result.committed(row)
+        pending, keep = [], []
+        for i, row in enumerate(alive):
+            ids = result.committed(i)
             pending.append(ids)
-            if active[row]:
-                metrics.acceptance.record(step_k, int(result.num_accepted[row]))
-                commit(row, ids)
+            row_metrics = results[row].metrics
+            row_metrics.target_calls += 1
+            row_metrics.acceptance.record(step_k, int(result.num_accepted[i]))
+            metrics.acceptance.record(step_k, int(result.num_accepted[i]))
+            if commit(row, ids):
+                keep.append(i)
     tm.total = time.perf_counter() - start
     metrics.generated_tokens = sum(len(r.token_ids) for r in results)
     for r in results:
-        r.metrics = metrics
+        r.metrics.generated_tokens = len(r.token_ids)
+        r.batch_metrics = metrics
     return results

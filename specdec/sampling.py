@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "probs_from_logits", "sample", "greedy_one_hot"]
+__all__ = ["SamplingParams", "greedy_one_hot", "probs_from_logits", "probs_per_row", "sample"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,17 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def probs_per_row(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` ``[B, ..., V]`` with one :class:`SamplingParams` per row -> probabilities.
+
+    One vectorised call when every row shares its parameters (the common case)."""
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"{len(params)} sampling parameter sets for {logits.shape[0]} rows")
+    if all(p == params[0] for p in params):
+        return probs_from_logits(logits, params[0])
+    return torch.stack([probs_from_logits(logits[b], params[b]) for b in range(logits.shape[0])])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

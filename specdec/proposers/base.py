@@ -30,3 +30,6 @@ class Proposer(Protocol):
 
     def observe(self, num_accepted: torch.Tensor) -> None:
         """``num_accepted`` ``[B]``: how many of the last proposal's tokens the target accepted."""
+
+    def retain(self, rows: list[int]) -> None:
+        """Keep only these rows (by current position); the others have finished."""

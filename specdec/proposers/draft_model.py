@@ -6,7 +6,7 @@ import torch
 
 from specdec.proposers.base import Proposal
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingParams, probs_per_row
 
 
 class DraftModelProposer:
@@ -36,7 +36,7 @@ class DraftModelProposer:
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B, V]
         if not torch.isfinite(logits).all():
             raise ValueError("the draft model produced non-finite logits")
-        return torch.stack([probs_from_logits(logits[b], self.params[b]) for b in range(logits.shape[0])])
+        return probs_per_row(logits, self.params)
 
     def propose(self, pending: list[list[int]], k: int) -> Proposal:
         batch = len(pending)
@@ -69,6 +69,12 @@ class DraftModelProposer:
         logits = self.model(padded, self.cache, logit_index=(counts - 1).unsqueeze(1))[:, 0]
         self.cache.truncate(before + counts)
         return logits
+
+    def retain(self, rows: list[int]) -> None:
+        self.cache = self.cache.fork(rows)
+        self.params = [self.params[i] for i in rows]
+        self._pending_prefix = [self._pending_prefix[i] for i in rows]
+        self._skip = [self._skip[i] for i in rows]
 
     def observe(self, num_accepted: torch.Tensor) -> None:
         # The cache holds the fed pending tokens plus drafts d_1..d_{k-1}. Keep the accepted ones

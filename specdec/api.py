@@ -10,7 +10,7 @@ from typing import Callable
 
 from specdec.engine import RowResult, generate
 from specdec.metrics import GenerationMetrics
-from specdec.proposers import DraftModelProposer
+from specdec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from specdec.runtime import loading
 from specdec.sampling import SamplingParams
 
@@ -22,7 +22,8 @@ class TextResult:
     text: str
     token_ids: list[int]
     finish_reason: str
-    metrics: GenerationMetrics
+    metrics: GenerationMetrics  # this request's own
+    batch_metrics: GenerationMetrics  # the whole batch, with the time breakdown by phase
     prompt_tokens: int = 0
 
 
@@ -48,6 +49,9 @@ class TextGenerator:
         gen.eos_token_ids = ids
         return gen
 
+    def make_proposer(self, kind: str, capacity: int, ngram=(2, 4), exit_layer: int | None = None):
+        return _make_proposer(self, kind, capacity, ngram, exit_layer)
+
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         tok = self.target.tokenizer
         if chat:
@@ -67,11 +71,18 @@ class TextGenerator:
         params: SamplingParams,
         max_new_tokens: int,
         *,
-        k: int = 0,
+        k: int | str = 0,
         seed: int = 0,
         stop: list[str] | None = None,
         on_text: Callable[[int, str], None] | None = None,
+        proposer: str | None = None,
+        k_max: int = 8,
+        ngram: tuple[int, int] = (2, 4),
+        exit_layer: int | None = None,
     ) -> list[TextResult]:
+        """Generate for token-id prompts. ``proposer``: None (plain decoding), "draft" (the loaded
+        draft model; the default when one is loaded and k != 0), "ngram", "early-exit" or
+        "hybrid" (n-gram when it matches, else the draft model or the early exit)."""
         stop = [s for s in (stop or []) if s]
 
         def stop_checker(row: int, ids: list[int]) -> int | None:
@@ -88,17 +99,18 @@ class TextGenerator:
                 on_text(row, text[emitted[row] :])
                 emitted[row] = len(text)
 
-        proposer = None
-        if self.draft is not None and k > 0:
-            capacity = max(len(p) for p in prompts) + max_new_tokens + k + 2
-            proposer = DraftModelProposer(self.draft.model, capacity)
+        if proposer is None and self.draft is not None and k != 0:
+            proposer = "draft"
+        capacity = max(len(p) for p in prompts) + max_new_tokens + max(k_max, k if isinstance(k, int) else 0) + 2
+        impl = self.make_proposer(proposer, capacity, ngram, exit_layer) if proposer and k != 0 else None
         rows: list[RowResult] = generate(
             self.target.model,
             prompts,
             params,
             max_new_tokens,
-            proposer=proposer,
-            k=k if proposer else 0,
+            proposer=impl,
+            k=k if impl else 0,
+            k_max=k_max,
             seed=seed,
             eos_token_ids=self.eos_token_ids,
             stop_checker=stop_checker if stop else None,
@@ -107,8 +119,28 @@ class TextGenerator:
         out = []
         for prompt, row in zip(prompts, rows):
             text = _cut_at_stop(self.decode(row.token_ids), stop)
-            out.append(TextResult(text, row.token_ids, row.finish_reason, row.metrics, len(prompt)))
+            out.append(TextResult(text, row.token_ids, row.finish_reason, row.metrics, row.batch_metrics, len(prompt)))
         return out
+
+
+PROPOSERS = ("draft", "ngram", "early-exit", "hybrid")
+
+
+def _make_proposer(gen: "TextGenerator", kind: str, capacity: int, ngram: tuple[int, int], exit_layer: int | None):
+    if kind not in PROPOSERS:
+        raise ValueError(f"unknown proposer {kind!r}; choose one of {', '.join(PROPOSERS)}")
+    if kind == "ngram":
+        return NgramProposer(*ngram)
+    if kind == "draft" and gen.draft is None:
+        raise ValueError("--proposer draft needs a draft model (--draft NAME_OR_PATH)")
+    if kind == "early-exit" or (kind == "hybrid" and gen.draft is None):
+        layers = exit_layer or max(1, gen.target.model.cfg.num_layers // 4)
+        model_draft = DraftModelProposer(gen.target.model.truncated(layers), capacity)
+    else:
+        model_draft = DraftModelProposer(gen.draft.model, capacity)
+    if kind == "hybrid":
+        return HybridProposer(NgramProposer(*ngram), model_draft)
+    return model_draft
 
 
 def _cut_at_stop(text: str, stop: list[str]) -> str:

@@ -114,7 +114,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name or path to a .gguf file / HF directory (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model name or path; enables speculative decoding")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per verification step (default: %(default)s)")
+    p.add_argument("--proposer", choices=["draft", "ngram", "early-exit", "hybrid"], default=None,
+                   help="where drafts come from: a draft model (default when --draft is given), n-gram "
+                   "prompt lookup, the target's own first layers, or hybrid (n-gram when it matches, "
+                   "else the draft model / early exit). Without --draft or --proposer: plain decoding")
+    p.add_argument("--k", type=_k_value, default="auto",
+                   help="draft tokens per step, or 'auto' (default): chosen each step from measured costs "
+                   "and acceptance, 0 = no speculation when drafts do not pay")
+    p.add_argument("--k-max", type=int, default=8, help="largest k for --k auto (default: %(default)s)")
+    p.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram to match (default: %(default)s)")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram to match (default: %(default)s)")
+    p.add_argument("--exit-layer", type=int, default=None, help="early-exit draft depth (default: a quarter of the layers)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch; '-' reads stdin")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -132,12 +142,22 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_generate)
 
 
+def _k_value(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k must be an integer >= 0 or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--k must be >= 0, got {value}")
+    return value
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from specdec.api import TextGenerator
     from specdec.sampling import SamplingParams
 
-    if args.k < 0:
-        raise ValueError(f"--k must be >= 0, got {args.k}")
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
@@ -148,16 +168,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     if not args.json and len(prompts) == 1:
         def stream(row: int, text: str) -> None:
             print(text, end="", flush=True)
-    results = gen.generate(prompts, params, args.max_new_tokens, k=args.k if args.draft else 0, seed=args.seed,
-                           stop=args.stop, on_text=stream)
+    proposer = args.proposer or ("draft" if args.draft else None)
+    results = gen.generate(prompts, params, args.max_new_tokens, k=args.k if proposer else 0, seed=args.seed,
+                           stop=args.stop, on_text=stream, proposer=proposer, k_max=args.k_max,
+                           ngram=(args.ngram_min, args.ngram_max), exit_layer=args.exit_layer)
     if args.json:
         def one(r):
             return {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
-                    "prompt_tokens": r.prompt_tokens}
+                    "prompt_tokens": r.prompt_tokens, "request_metrics": r.metrics.to_dict()}
         out = one(results[0]) if len(results) == 1 else {"choices": [one(r) for r in results]}
-        out["metrics"] = results[0].metrics.to_dict()
+        out["metrics"] = results[0].batch_metrics.to_dict()
         out["config"] = {"target": gen.target.name, "draft": gen.draft.name if gen.draft else None,
-                         "k": args.k if args.draft else 0, "dtype": args.dtype, "temperature": args.temperature,
+                         "proposer": proposer, "k": args.k if proposer else 0, "dtype": args.dtype, "temperature": args.temperature,
                          "seed": args.seed}
         print(json.dumps(out))
         return 0
@@ -166,19 +188,22 @@ def _run_generate(args: argparse.Namespace) -> int:
             print(f"--- [{i}] ---\n{r.text}")
     else:
         print()
-    print(_summary(results[0].metrics.to_dict(), gen, args), file=sys.stderr)
+    print(_summary(results[0].batch_metrics.to_dict(), gen, args, proposer), file=sys.stderr)
     return 0
 
 
-def _summary(m: dict, gen, args) -> str:
+def _summary(m: dict, gen, args, proposer) -> str:
     acc = m["acceptance"]
+    how = " | plain decoding"
+    if proposer:
+        how = f" | proposer {proposer}" + (f" ({gen.draft.name})" if proposer in ("draft", "hybrid") and gen.draft else "") + f" k={args.k}"
     lines = [
         "",
-        f"target {gen.target.name}" + (f" | draft {gen.draft.name} k={args.k}" if gen.draft else " | plain decoding") + f" | {args.dtype}",
+        f"target {gen.target.name}{how} | {args.dtype}",
         f"  tokens {m['generated_tokens']:>6}   throughput {m['throughput_tok_s']:7.2f} tok/s   TTFT {m['ttft_s'] * 1e3:8.1f} ms   TPOT {m['tpot_s'] * 1e3:7.1f} ms",
         f"  target calls/token {m['target_calls_per_token']:.3f}   tokens/call {m['tokens_per_call']:.2f}",
     ]
-    if gen.draft:
+    if proposer:
         lines.append(
             f"  accepted/call {acc['mean_accepted_per_call']:.2f}   acceptance {acc['acceptance_rate']:.1%}   "
             f"full accepts {acc['full_acceptance_rate']:.1%}   first rejection at {acc['first_rejection_histogram']}"

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from specdec.adaptive import AdaptiveK
 from specdec.metrics import GenerationMetrics
 from specdec.proposers.base import Proposer
 from specdec.runtime.model import Transformer
@@ -58,20 +59,29 @@ def generate(
     max_new_tokens: int,
     *,
     proposer: Proposer | None = None,
-    k: int = 0,
+    k: int | str = 0,
+    k_max: int = 8,
     seed: int = 0,
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
     stop_checker: StopChecker | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> list[RowResult]:
-    """Generate up to ``max_new_tokens`` per prompt; exact target sampling whatever the proposer."""
+    """Generate up to ``max_new_tokens`` per prompt; exact target sampling whatever the proposer.
+
+    ``k`` is the number of draft tokens per step, or ``"auto"``: an :class:`AdaptiveK` controller
+    (one per proposer source, see ``HybridProposer.next_source``) picks 0..``k_max`` each step
+    from measured costs and acceptance.
+    """
     batch = len(prompts)
     if batch == 0:
         return []
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
+    controllers: dict[str, AdaptiveK] | None = None
+    if k == "auto":
+        controllers, k = {}, k_max
+    elif not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     if proposer is None:
@@ -150,11 +160,18 @@ def generate(
                 proposer.retain(keep)
             tm.cache += time.perf_counter() - t
         remaining = max(max_new_tokens - len(results[r].token_ids) for r in alive)
-        step_k = min(k, remaining - 1)
+        controller = None
+        if controllers is not None and proposer is not None:
+            source = proposer.next_source(pending) if hasattr(proposer, "next_source") else "default"
+            controller = controllers.setdefault(source, AdaptiveK(k_max=k_max))
+        step_k = min(controller.choose() if controller else k, remaining - 1)
         t0 = time.perf_counter()
         if proposer is not None:
             proposal = proposer.propose(pending, step_k)
             draft_tokens, draft_probs = proposal.tokens, proposal.probs
+            if draft_tokens.shape[1] > step_k:
+                raise ValueError(f"the proposer returned {draft_tokens.shape[1]} tokens, more than k={step_k}")
+            step_k = draft_tokens.shape[1]  # a proposer may propose fewer (e.g. no n-gram match)
         else:
             draft_tokens, draft_probs = torch.zeros(len(alive), 0, dtype=torch.long), None
         t1 = time.perf_counter()
@@ -172,6 +189,8 @@ def generate(
         if proposer is not None:
             proposer.observe(result.num_accepted)
         t5 = time.perf_counter()
+        if controller is not None:
+            controller.observe(step_k, result.num_accepted.tolist(), (t1 - t0) + (t5 - t4), t3 - t1)
         tm.draft += (t1 - t0) + (t5 - t4)
         tm.verify += t2 - t1
         tm.sampling += t3 - t2

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling import sample
+
 __all__ = ["ChainVerification", "acceptance_probability", "residual_distribution", "verify_chain"]
 
 _SUM_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
@@ -70,12 +72,13 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor, tolerance: float = 1
 
 
 def _check_probs(name: str, probs: torch.Tensor) -> None:
-    if not torch.isfinite(probs).all():
-        raise ValueError(f"{name} contains NaN or infinite values")
-    if (probs < 0).any():
-        raise ValueError(f"{name} contains negative probabilities")
     if probs.numel() == 0:
         return
+    low, high = torch.aminmax(probs)  # one pass; NaN propagates into both
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    if low < 0:
+        raise ValueError(f"{name} contains negative probabilities")
     sums = probs.sum(-1)
     tol = _SUM_TOLERANCE.get(probs.dtype, 1e-4)
     worst = (sums - 1).abs().max().item()
@@ -128,8 +131,8 @@ def verify_chain(
     draft_probs: ``[B, k, V]`` the distributions the drafts were sampled from, or ``None`` for a
         deterministic draft (each ``q_i`` is one-hot on ``draft_tokens[:, i]``).
     draft_tokens: ``[B, k]`` long. ``k = 0`` is valid: one token is sampled from ``p_1``.
-    generator: the explicit source of randomness (uniforms for the accept tests, then one
-        categorical draw per row).
+    generator: the explicit source of randomness: k uniforms per row for the accept tests, then
+        one uniform per row for the replacement/bonus draw (inverse CDF).
     """
     _validate(target_probs, draft_probs, draft_tokens)
     batch, k_plus_1, vocab = target_probs.shape
@@ -159,11 +162,11 @@ def verify_chain(
     num_accepted = accepted.to(torch.long).cumprod(-1).sum(-1)  # [B]
 
     # Residual at the first rejected position (or the bonus position when all were accepted).
-    at = num_accepted.view(batch, 1, 1).expand(batch, 1, vocab)
-    p_n = p.gather(1, at).squeeze(1)  # [B, V]
-    q_n = q_ext.gather(1, at).squeeze(1)  # [B, V]
+    rows = torch.arange(batch, device=device)
+    p_n = p[rows, num_accepted]  # [B, V]
+    q_n = q_ext[rows, num_accepted]  # [B, V]
     residual = residual_distribution(p_n, q_n, residual_tolerance)  # [B, V]
-    last = torch.multinomial(residual, 1, generator=generator).squeeze(-1)  # [B]
+    last = sample(residual, generator)  # [B]
 
     positions = torch.arange(k_plus_1, device=device).unsqueeze(0)  # [1, k+1]
     drafts_ext = torch.cat([draft_tokens, draft_tokens.new_zeros(batch, 1)], dim=1)  # [B, k+1]

@@ -6,7 +6,7 @@ import torch
 
 from specdec.proposers.base import Proposal
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingParams, probs_per_row
+from specdec.sampling import SamplingParams, probs_per_row, sample
 
 
 class DraftModelProposer:
@@ -53,7 +53,7 @@ class DraftModelProposer:
         tokens, probs = [], []
         for i in range(k):
             q = self._probs(logits)  # [B, V]
-            token = torch.multinomial(q, 1, generator=self.generator)  # [B, 1]
+            token = sample(q, self.generator).unsqueeze(1)  # [B, 1]
             tokens.append(token)
             probs.append(q)
             if i < k - 1:

@@ -1,0 +1,120 @@
+"""Adaptive speculation length: choose k from measured costs and acceptance, down to k = 0.
+
+Model of one step with k draft tokens (one row; a batch shares k):
+
+* time: ``T(k) = k * d + v(k + 1)`` — ``d`` the proposer's cost per draft token (~0 for n-gram
+  lookup), ``v(n)`` the target's cost to verify n positions (measured per n; unmeasured n are
+  interpolated linearly from the measured ones, and before any measurement assumed
+  ``v(n) = v1 * (1 + 0.1 (n - 1))``);
+* tokens: with ``a_i`` = P(draft i accepted | drafts 1..i-1 accepted), the step commits
+  ``E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j`` tokens in expectation (every step commits at least
+  the replacement or bonus token). With a constant ``a`` this is Leviathan et al.'s
+  ``(1 - a^(k+1)) / (1 - a)``; measuring ``a_i`` per position drops the i.i.d. assumption.
+
+Expected throughput is ``E(k) / T(k)`` (renewal-reward: tokens per second over many steps), and
+the controller picks ``k* = argmax_{0 <= k <= k_max} E(k) / T(k)``. ``k = 0`` is plain decoding,
+``1 / v(1)``: when drafts do not pay, speculation turns itself off.
+
+Estimates are online: per-position acceptance counts with exponential forgetting (so the choice
+follows the text as it changes), exponential moving averages for the costs. While k = 0 is
+chosen, nothing would be learned about acceptance, so every ``probe_every`` steps one step with
+``probe_k`` drafts is taken to keep the estimates fresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_tokens(accept: list[float], k: int) -> float:
+    """``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j`` for per-position acceptance ``accept``."""
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= accept[i]
+        total += run
+    return total
+
+
+def best_k(accept: list[float], draft_cost: float, verify_cost: list[float], k_max: int) -> int:
+    """``argmax_k E(k) / (k * draft_cost + verify_cost[k])``; ``verify_cost[n-1]`` verifies n positions."""
+    rates = [expected_tokens(accept, k) / (k * draft_cost + verify_cost[k]) for k in range(k_max + 1)]
+    return max(range(k_max + 1), key=lambda k: (rates[k], -k))
+
+
+@dataclass
+class AdaptiveK:
+    k_max: int = 8
+    forget: float = 0.97  # per-step decay of the acceptance counts
+    prior_accept: float = 0.5
+    prior_weight: float = 2.0
+    ema: float = 0.3
+    probe_every: int = 8
+    probe_k: int = 2
+    accepted: list[float] = field(default_factory=list)
+    tested: list[float] = field(default_factory=list)
+    draft_cost: float | None = None
+    verify_cost: dict[int, float] = field(default_factory=dict)
+    _since_spec: int = 0
+
+    def __post_init__(self) -> None:
+        if self.k_max < 0:
+            raise ValueError("k_max must be >= 0")
+        self.accepted = [0.0] * self.k_max
+        self.tested = [0.0] * self.k_max
+
+    def acceptance(self) -> list[float]:
+        return [(a + self.prior_accept * self.prior_weight) / (t + self.prior_weight)
+                for a, t in zip(self.accepted, self.tested)]
+
+    def verify_costs(self) -> list[float]:
+        """Estimated seconds to verify n = 1..k_max+1 positions."""
+        known = sorted(self.verify_cost.items())
+        if not known:
+            return [1.0 + 0.1 * (n - 1) for n in range(1, self.k_max + 2)]
+        if len(known) == 1:
+            (n0, c0), = known
+            base = c0 / (1 + 0.1 * (n0 - 1))
+            return [base * (1 + 0.1 * (n - 1)) for n in range(1, self.k_max + 2)]
+        out = []
+        for n in range(1, self.k_max + 2):
+            if n in self.verify_cost:
+                out.append(self.verify_cost[n])
+                continue
+            lo = max((p for p in known if p[0] < n), default=known[0], key=lambda p: p[0])
+            hi = min((p for p in known if p[0] > n), default=known[-1], key=lambda p: p[0])
+            if lo[0] == hi[0]:
+                (n1, c1), (n2, c2) = known[-2], known[-1]
+                lo, hi = (n1, c1), (n2, c2)
+            slope = (hi[1] - lo[1]) / (hi[0] - lo[0])
+            out.append(max(1e-9, lo[1] + slope * (n - lo[0])))
+        return out
+
+    def choose(self) -> int:
+        if self.k_max == 0:
+            return 0
+        k = best_k(self.acceptance(), self.draft_cost or 0.0, self.verify_costs(), self.k_max)
+        if k == 0:
+            self._since_spec += 1
+            if self._since_spec >= self.probe_every:
+                self._since_spec = 0
+                return min(self.probe_k, self.k_max)
+        else:
+            self._since_spec = 0
+        return k
+
+    def observe(self, k: int, num_accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
+        """One step: ``k`` drafts were verified for each row, rows accepted ``num_accepted``."""
+        n = k + 1
+        old = self.verify_cost.get(n)
+        self.verify_cost[n] = verify_seconds if old is None else old + self.ema * (verify_seconds - old)
+        if k == 0:
+            return
+        per_token = draft_seconds / k
+        self.draft_cost = per_token if self.draft_cost is None else self.draft_cost + self.ema * (per_token - self.draft_cost)
+        self.accepted = [a * self.forget for a in self.accepted]
+        self.tested = [t * self.forget for t in self.tested]
+        for acc in num_accepted:
+            for i in range(min(acc + 1, k)):  # positions 1..acc accepted, acc+1 rejected (if < k)
+                self.tested[i] += 1.0
+                if i < acc:
+                    self.accepted[i] += 1.0

@@ -1,0 +1,57 @@
+"""Hybrid proposer: n-gram lookup when the context repeats itself, a model draft otherwise.
+
+Each step, if every row has an n-gram match the (nearly free) lookup proposes; otherwise the
+model draft does. The model draft still has to see every committed token, so tokens committed
+while the n-gram was in use are queued and fed to it the next time it proposes (in one forward).
+``next_source()`` tells the engine which proposer the coming step uses, so that adaptive k keeps
+separate cost and acceptance estimates for each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.proposers.base import Proposal
+from specdec.proposers.ngram import NgramProposer
+from specdec.sampling import SamplingParams
+
+
+class HybridProposer:
+    def __init__(self, ngram: NgramProposer, model_draft) -> None:
+        self.ngram, self.model_draft = ngram, model_draft
+        self._queued: list[list[int]] = []
+        self._used = None
+
+    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator) -> None:
+        self.ngram.start(prompts, params, generator)
+        self.model_draft.start(prompts, params, generator)
+        self._queued = [[] for _ in prompts]
+        self._fresh: list[list[int]] | None = None
+
+    def next_source(self, pending: list[list[int]]) -> str:
+        """Which proposer the next ``propose(pending, k)`` will use (feeds the n-gram index)."""
+        if self._fresh is not pending:
+            self.ngram.feed(pending)
+            self._fresh = pending
+        return "ngram" if all(self.ngram.has_match()) else "draft"
+
+    def propose(self, pending: list[list[int]], k: int) -> Proposal:
+        source = self.next_source(pending)
+        self._fresh = None
+        self._queued = [q + p for q, p in zip(self._queued, pending)]
+        if source == "ngram":
+            self._used = self.ngram
+            return self.ngram.lookup(k)
+        self._used = self.model_draft
+        queued, self._queued = self._queued, [[] for _ in self._queued]
+        return self.model_draft.propose(queued, k)
+
+    def observe(self, num_accepted: torch.Tensor) -> None:
+        if self._used is self.model_draft:
+            self.model_draft.observe(num_accepted)
+
+    def retain(self, rows: list[int]) -> None:
+        self.ngram.retain(rows)
+        self.model_draft.retain(rows)
+        self._queued = [self._queued[i] for i in rows]
+

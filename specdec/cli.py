@@ -213,6 +213,92 @@ def _summary(m: dict, gen, args, proposer) -> str:
     return "\n".join(lines)
 
 
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    from specdec.runtime import registry
+
+    p = sub.add_parser(
+        "profile",
+        help="measure costs and acceptance of a target/proposer pair, recommend k",
+        description="Measure the target's verification cost for 1..k_max+1 positions, the proposer's "
+        "cost per draft token and its acceptance per position on a prompt set; print the k that "
+        "maximises expected tokens per second, and the predicted vs measured speed-up.",
+    )
+    p.add_argument("--target", default=registry.DEFAULT_TARGET)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--proposer", choices=["draft", "ngram", "early-exit", "hybrid"], default=None,
+                   help="default: draft if --draft is given, else ngram")
+    p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable); default: built-in code prompts")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--k-max", type=int, default=8)
+    p.add_argument("--dtype", choices=["int8", "bfloat16", "float32"], default="int8")
+    p.add_argument("--exit-layer", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run_profile)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from specdec.api import TextGenerator
+    from specdec.bench.profile import format_profile, profile
+    from specdec.bench.prompts import CODE_PROMPTS
+    from specdec.sampling import SamplingParams
+
+    proposer = args.proposer or ("draft" if args.draft else "ngram")
+    gen = TextGenerator.load(args.target, args.draft, args.dtype)
+    texts = args.prompt or CODE_PROMPTS
+    prompts = [gen.encode(t, chat=args.chat or not args.prompt) for t in texts]
+    result = profile(gen, prompts, proposer, SamplingParams(temperature=args.temperature), args.max_new_tokens,
+                     args.k_max, exit_layer=args.exit_layer)
+    print(json.dumps(result) if args.json else format_profile(result))
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from specdec.bench.suite import ALL_METHODS, QUICK_METHODS
+    from specdec.runtime import registry
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark every method side by side (ours and transformers) across task categories",
+        description="Run the project's benchmark: transformers generate() (plain, assisted, prompt "
+        "lookup) and specdec (plain, draft, n-gram, early exit, hybrid, adaptive k) on the built-in "
+        "prompts of 6 categories, greedy and sampled. Writes results.json, report.md and PNG plots "
+        "to --out; an interrupted run resumes from the runs already in --out/runs.jsonl.",
+    )
+    p.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="1 prompt per category, 32 tokens, fewer methods (< 10 minutes)")
+    p.add_argument("--methods", default=None, help=f"comma-separated; all: {','.join(ALL_METHODS)}; quick: {','.join(QUICK_METHODS)}")
+    p.add_argument("--temperature", default="0,0.7", help="comma-separated temperatures (default: %(default)s)")
+    p.add_argument("--prompts-per-category", type=int, default=None, help="default: all 8 (1 with --quick)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 64 (32 with --quick)")
+    p.add_argument("--target", default=registry.DEFAULT_TARGET)
+    p.add_argument("--draft", default=registry.DEFAULT_DRAFT)
+    p.add_argument("--dtype", choices=["int8", "float32"], default="int8")
+    p.add_argument("--k", type=int, default=4, help="k of the fixed-k 'draft' method (default: %(default)s)")
+    p.add_argument("--k-max", type=int, default=8)
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec.bench.suite import ALL_METHODS, QUICK_METHODS, run_bench
+
+    methods = args.methods.split(",") if args.methods else (QUICK_METHODS if args.quick else ALL_METHODS)
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    temps = [float(t) for t in args.temperature.split(",")]
+    per_cat = args.prompts_per_category or (1 if args.quick else None)
+    tokens = args.max_new_tokens or (32 if args.quick else 64)
+    out = Path(args.out)
+    run_bench(out, methods, temps, per_cat, args.target, args.draft, args.dtype, tokens, args.k, args.k_max)
+    print((out / "report.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots in {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdec",
@@ -222,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_toy(sub)
     _add_models(sub)
     _add_generate(sub)
+    _add_profile(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -1,0 +1,280 @@
+"""``specdec bench``: the project's benchmark — every method side by side, on one machine, in one run.
+
+Methods (``--methods``, comma-separated):
+
+* ``hf_plain``, ``hf_assisted``, ``hf_prompt_lookup`` — transformers ``generate()`` on the same
+  weights and dtype (int8: ``quantize_dynamic``), plain / with the draft model / prompt lookup;
+* ``plain`` — our plain decoding;
+* ``draft``, ``draft_auto``, ``ngram``, ``early_exit``, ``hybrid`` — our speculative variants
+  (``draft`` with fixed ``--k``, the others with adaptive k);
+* ``ngram_kN`` / ``draft_kN`` — fixed k = N, for the speed-up-against-k plot.
+
+Every run is appended to ``runs.jsonl`` in ``--out`` as soon as it finishes, and a rerun skips
+runs already there, so an interrupted bench resumes. At the end ``results.json`` (all runs, the
+three metric classes, the environment), ``report.md`` and PNG plots are written.
+
+Speed-up is end-to-end tokens per second (prefill included) relative to our plain decoding and
+to transformers' plain decoding on the same prompt and temperature; each method's figure per
+category is the median over the category's prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec.sampling import SamplingParams
+
+ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",
+               "early_exit", "hybrid", "ngram_k1", "ngram_k2", "ngram_k4", "ngram_k8",
+               "draft_k1", "draft_k2", "draft_k4", "draft_k8"]
+QUICK_METHODS = ["hf_plain", "hf_assisted", "plain", "draft_auto", "ngram", "hybrid", "ngram_k2", "ngram_k8"]
+
+
+def load_workloads() -> dict:
+    data = json.loads(resources.files("specdec.bench").joinpath("workloads.json").read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def _method_spec(method: str, k_fixed: int) -> tuple[str | None, int | str]:
+    """(proposer, k) for our methods."""
+    if method == "plain":
+        return None, 0
+    if method == "draft":
+        return "draft", k_fixed
+    if method.endswith("_auto") or method in ("ngram", "early_exit", "hybrid"):
+        return method.replace("_auto", "").replace("_", "-"), "auto"
+    name, k = method.rsplit("_k", 1)
+    return name, int(k)
+
+
+class Bench:
+    def __init__(self, target: str, draft: str, dtype: str, max_new_tokens: int, k: int, k_max: int):
+        from specdec.api import TextGenerator
+
+        self.gen = TextGenerator.load(target, draft, dtype)
+        self.gen.eos_token_ids = set()  # every method generates exactly max_new_tokens
+        self.dtype, self.max_new_tokens, self.k, self.k_max = dtype, max_new_tokens, k, k_max
+        self._hf = None
+
+    def hf(self):
+        if self._hf is None:
+            from specdec.bench.hf import load_hf
+
+            self._hf = (load_hf(self.gen.target.source_dir, self.dtype), load_hf(self.gen.draft.source_dir, self.dtype))
+        return self._hf
+
+    def encode(self, prompt) -> list[int]:
+        tok = self.gen.target.tokenizer
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def run(self, method: str, prompt_ids: list[int], temperature: float, seed: int) -> dict:
+        if method.startswith("hf_"):
+            from specdec.bench.hf import hf_generate
+
+            target, draft = self.hf()
+            ids, seconds = hf_generate(target, prompt_ids, self.max_new_tokens, temperature, seed,
+                                       assistant=draft if method == "hf_assisted" else None,
+                                       prompt_lookup=method == "hf_prompt_lookup")
+            n = len(ids)
+            return {"token_ids": ids, "metrics": {"generated_tokens": n, "total_s": seconds,
+                                                  "throughput_tok_s": n / seconds}}
+        proposer, k = _method_spec(method, self.k)
+        result = self.gen.generate([prompt_ids], SamplingParams(temperature=temperature), self.max_new_tokens,
+                                   k=k, seed=seed, proposer=proposer, k_max=self.k_max)[0]
+        return {"token_ids": result.token_ids, "metrics": result.batch_metrics.to_dict()}
+
+
+def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_per_category: int | None,
+              target: str, draft: str, dtype: str, max_new_tokens: int, k: int, k_max: int) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "runs.jsonl"
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[(r["method"], r["category"], r["prompt"], r["temperature"])] = r
+    workloads = load_workloads()
+    jobs = []
+    for category, spec in workloads.items():
+        for i, prompt in enumerate(spec["prompts"][:prompts_per_category]):
+            for temp in temperatures:
+                for method in methods:
+                    if temp > 0 and ("_k" in method):
+                        continue  # the k sweep is greedy only
+                    jobs.append((method, category, i, temp, prompt))
+    todo = [j for j in jobs if (j[0], j[1], j[2], j[3]) not in done]
+    bench = Bench(target, draft, dtype, max_new_tokens, k, k_max) if todo else None
+    with open(log, "a") as f:
+        for method, category, i, temp, prompt in tqdm(todo, desc="specdec bench", unit="run"):
+            record = {"method": method, "category": category, "prompt": i, "temperature": temp}
+            record.update(bench.run(method, bench.encode(prompt), temp, seed=i))
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            done[(method, category, i, temp)] = record
+    runs = [done[(j[0], j[1], j[2], j[3])] for j in jobs]
+    env = {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
+           "python": platform.python_version(), "torch": torch.__version__,
+           "transformers": __import__("transformers").__version__, "dtype": dtype, "target": target,
+           "draft": draft, "max_new_tokens": max_new_tokens, "k": k, "k_max": k_max,
+           "date": time.strftime("%Y-%m-%d %H:%M")}
+    results = {"environment": env, "runs": runs, "grounded": {c: s["grounded"] for c, s in workloads.items()}}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    report = write_report(results, out)
+    (out / "report.md").write_text(report)
+    return results
+
+
+def _speedups(runs: list[dict], baseline: str) -> dict[tuple[str, str, float], float]:
+    """(method, category, temperature) -> median over prompts of throughput / baseline's."""
+    base = {(r["category"], r["prompt"], r["temperature"]): r["metrics"]["throughput_tok_s"]
+            for r in runs if r["method"] == baseline}
+    ratios: dict[tuple[str, str, float], list[float]] = {}
+    for r in runs:
+        key = (r["category"], r["prompt"], r["temperature"])
+        if key in base and base[key] > 0:
+            ratios.setdefault((r["method"], r["category"], r["temperature"]), []).append(
+                r["metrics"]["throughput_tok_s"] / base[key])
+    return {k: statistics.median(v) for k, v in ratios.items()}
+
+
+def greedy_check(runs: list[dict]) -> list[str]:
+    """Greedy outputs that differ from the plain decoding of the same runtime."""
+    ref = {(r["category"], r["prompt"]): r["token_ids"] for r in runs if r["method"] == "plain" and r["temperature"] == 0}
+    hf_ref = {(r["category"], r["prompt"]): r["token_ids"] for r in runs if r["method"] == "hf_plain" and r["temperature"] == 0}
+    diffs = []
+    for r in runs:
+        if r["temperature"] != 0 or r["method"] in ("plain", "hf_plain"):
+            continue
+        table = hf_ref if r["method"].startswith("hf_") else ref
+        expected = table.get((r["category"], r["prompt"]))
+        if expected is not None and r["token_ids"] != expected:
+            first = next((i for i, (a, b) in enumerate(zip(r["token_ids"], expected)) if a != b), min(len(r["token_ids"]), len(expected)))
+            diffs.append(f"{r['method']} / {r['category']} #{r['prompt']}: differs from its plain decoding at token {first}")
+    return diffs
+
+
+def write_report(results: dict, out: Path) -> str:
+    runs, env = results["runs"], results["environment"]
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    categories = list(dict.fromkeys(r["category"] for r in runs))
+    temps = sorted({r["temperature"] for r in runs})
+    lines = [f"# specdec bench report ({env['date']})", "",
+             f"Target `{env['target']}`, draft `{env['draft']}`, dtype {env['dtype']}, {env['max_new_tokens']} new tokens "
+             f"per prompt, torch {env['torch']}, transformers {env['transformers']}, {env['cores']} threads. "
+             "Speed-up = end-to-end tokens/s (prefill included) over the baseline on the same prompt; median over "
+             "the category's prompts.", ""]
+    for baseline in ("plain", "hf_plain"):
+        if baseline not in methods:
+            continue
+        sp = _speedups(runs, baseline)
+        for temp in temps:
+            ms = [m for m in methods if any((m, c, temp) in sp for c in categories)]
+            lines += [f"## Speed-up vs {baseline}, temperature {temp}", "",
+                      "| method | " + " | ".join(categories) + " | all |", "|---" * (len(categories) + 2) + "|"]
+            for m in ms:
+                cells = [f"{sp[(m, c, temp)]:.2f}x" if (m, c, temp) in sp else "–" for c in categories]
+                vals = [sp[(m, c, temp)] for c in categories if (m, c, temp) in sp]
+                lines.append(f"| {m} | " + " | ".join(cells) + f" | {statistics.median(vals):.2f}x |")
+            lines.append("")
+    lines += ["## Acceptance and target calls (our speculative methods, all prompts)", "",
+              "| method | temperature | accepted/call | acceptance | full-accept rate | target calls/token | tok/s |",
+              "|---|---|---|---|---|---|---|"]
+    for m in methods:
+        for temp in temps:
+            rs = [r for r in runs if r["method"] == m and r["temperature"] == temp and "acceptance" in r["metrics"]]
+            if not rs or m == "plain":
+                continue
+            acc = [r["metrics"]["acceptance"] for r in rs]
+            lines.append(f"| {m} | {temp} | {statistics.median(a['mean_accepted_per_call'] for a in acc):.2f} | "
+                         f"{statistics.median(a['acceptance_rate'] for a in acc):.0%} | "
+                         f"{statistics.median(a['full_acceptance_rate'] for a in acc):.0%} | "
+                         f"{statistics.median(r['metrics']['target_calls_per_token'] for r in rs):.3f} | "
+                         f"{statistics.median(r['metrics']['throughput_tok_s'] for r in rs):.2f} |")
+    diffs = greedy_check(runs)
+    n_greedy = sum(1 for r in runs if r["temperature"] == 0 and r["method"] not in ("plain", "hf_plain"))
+    lines += ["", "## Greedy check", ""]
+    if diffs:
+        lines += [f"{len(diffs)} of {n_greedy} greedy runs differ from their runtime's plain decoding:"] + [f"- {d}" for d in diffs]
+    else:
+        lines.append(f"All {n_greedy} greedy runs are token-identical to their runtime's plain greedy decoding.")
+    plots = write_plots(runs, out)
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(runs: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    sp = _speedups(runs, "plain")
+    methods = [m for m in dict.fromkeys(r["method"] for r in runs) if "_k" not in m]
+    categories = list(dict.fromkeys(r["category"] for r in runs))
+    if sp:
+        fig, ax = plt.subplots(figsize=(11, 4.5))
+        width = 0.8 / max(1, len(methods))
+        for j, m in enumerate(methods):
+            vals = [sp.get((m, c, 0.0), 0.0) for c in categories]
+            ax.bar([i + j * width for i in range(len(categories))], vals, width, label=m)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))], categories)
+        ax.set_ylabel("speed-up vs specdec plain (greedy)")
+        ax.legend(fontsize=7, ncol=3)
+        ax.set_title("Speed-up by category and method")
+        fig.tight_layout()
+        paths.append(out / "speedup_by_category.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    hists = {}
+    for r in runs:
+        acc = r["metrics"].get("acceptance")
+        if acc and acc["verify_calls_with_drafts"]:
+            h = hists.setdefault(r["method"], [])
+            for i, c in enumerate(acc["first_rejection_histogram"]):
+                h.extend([i] * c)
+    if hists:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for m, h in hists.items():
+            if h:
+                ax.hist(h, bins=range(0, 10), alpha=0.5, label=m, density=True)
+        ax.set_xlabel("position of the first rejected draft (0 = first draft)")
+        ax.set_ylabel("fraction of rejecting calls")
+        ax.legend(fontsize=7)
+        ax.set_title("First-rejection position")
+        fig.tight_layout()
+        paths.append(out / "first_rejection.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    sweep = {}
+    for (m, c, t), v in sp.items():
+        if "_k" in m and t == 0:
+            name, k = m.rsplit("_k", 1)
+            sweep.setdefault(name, {}).setdefault(int(k), []).append(v)
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, ks in sweep.items():
+            xs = sorted(ks)
+            ax.plot(xs, [statistics.median(ks[x]) for x in xs], marker="o", label=name)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xlabel("k (fixed)")
+        ax.set_ylabel("speed-up vs plain (median over categories)")
+        ax.legend()
+        ax.set_title("Speed-up against k")
+        fig.tight_layout()
+        paths.append(out / "speedup_vs_k.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths

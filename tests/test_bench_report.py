@@ -1,0 +1,62 @@
+"""The bench's bookkeeping on synthetic runs: resume, speed-up tables, greedy check, plots."""
+
+from __future__ import annotations
+
+import json
+
+from specdec.bench import suite
+from specdec.bench.profile import acceptance_per_position
+
+
+def _run(method, category, prompt, temp, tps, tokens, acc=None):
+    metrics = {"throughput_tok_s": tps, "target_calls_per_token": 0.5}
+    if acc is not None:
+        metrics["acceptance"] = {"verify_calls_with_drafts": 4, "mean_accepted_per_call": 2.0, "acceptance_rate": 0.5,
+                                 "full_acceptance_rate": 0.25, "first_rejection_histogram": acc}
+    return {"method": method, "category": category, "prompt": prompt, "temperature": temp,
+            "token_ids": tokens, "metrics": metrics}
+
+
+def test_report_tables_greedy_check_and_plots(tmp_path):
+    runs = [
+        _run("plain", "code", 0, 0.0, 10.0, [1, 2, 3]),
+        _run("hf_plain", "code", 0, 0.0, 8.0, [1, 2, 4]),
+        _run("ngram", "code", 0, 0.0, 25.0, [1, 2, 3], acc=[1, 2]),
+        _run("draft_auto", "code", 0, 0.0, 12.0, [1, 9, 3], acc=[0, 1]),  # a deliberate difference
+        _run("ngram_k2", "code", 0, 0.0, 15.0, [1, 2, 3], acc=[1]),
+        _run("ngram_k8", "code", 0, 0.0, 20.0, [1, 2, 3], acc=[2]),
+    ]
+    report = suite.write_report({"runs": runs, "environment": {
+        "date": "x", "target": "t", "draft": "d", "dtype": "int8", "max_new_tokens": 3, "torch": "x",
+        "transformers": "x", "cores": 2}}, tmp_path)
+    assert "| ngram | 2.50x | 2.50x |" in report  # 25 / 10
+    assert "draft_auto / code #0: differs from its plain decoding at token 1" in report
+    for name in ["speedup_by_category.png", "first_rejection.png", "speedup_vs_k.png"]:
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_resume_skips_finished_runs(tmp_path, monkeypatch):
+    """Runs already in runs.jsonl are not repeated (nothing is loaded when nothing is left)."""
+    workloads = {"code": {"grounded": True, "prompts": ["p0"]}}
+    monkeypatch.setattr(suite, "load_workloads", lambda: workloads)
+    with open(tmp_path / "runs.jsonl", "w") as f:
+        f.write(json.dumps(_run("plain", "code", 0, 0.0, 10.0, [1])) + "\n")
+
+    def no_bench(*a, **kw):
+        raise AssertionError("nothing should have been run")
+
+    monkeypatch.setattr(suite, "Bench", no_bench)
+    results = suite.run_bench(tmp_path, ["plain"], [0.0], None, "t", "d", "int8", 1, 4, 8)
+    assert len(results["runs"]) == 1
+    assert (tmp_path / "report.md").exists() and (tmp_path / "results.json").exists()
+
+
+def test_workloads_have_six_categories_of_eight():
+    w = suite.load_workloads()
+    assert len(w) >= 6 and all(len(c["prompts"]) >= 8 for c in w.values())
+
+
+def test_acceptance_per_position_from_histogram():
+    # 10 calls with k=3: first rejection at 0 (2 calls), at 2 (3 calls), 5 full accepts
+    a = acceptance_per_position([2, 0, 3], 5, 3)
+    assert a == [8 / 10, 8 / 8, 5 / 8]

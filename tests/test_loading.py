@@ -1,0 +1,92 @@
+"""Loading: Hugging Face directories (safetensors), the int8 cache, and pair compatibility checks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdec.api import TextGenerator, check_compatible
+from specdec.runtime import loading
+from tiny_models import hf_tiny
+
+
+def _tokenizer(vocab_size: int, shift: int = 0):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{(i + shift) % vocab_size}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1")
+
+
+@pytest.fixture
+def hf_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    hf = hf_tiny("qwen2")
+    directory = tmp_path / "tiny-qwen2"
+    hf.save_pretrained(directory)
+    _tokenizer(97).save_pretrained(directory)
+    return directory, hf
+
+
+def test_load_safetensors_directory_matches_transformers(hf_dir):
+    directory, hf = hf_dir
+    loaded = loading.load(str(directory), "float32")
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids).logits, -1)
+    ours = torch.log_softmax(loaded.model(ids, loaded.model.new_cache(1, 16)), -1)
+    assert (ours - ref).abs().max() <= 1e-3
+
+
+def test_int8_cache_gives_identical_model(hf_dir):
+    directory, _ = hf_dir
+    first = loading.load(str(directory), "int8")  # calibrates, quantizes, writes the cache
+    cached = list((loading.registry.home() / "quantized").glob("*.safetensors"))
+    assert len(cached) == 1
+    second = loading.load(str(directory), "int8")  # reads the cache
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
+    a = first.model(ids, first.model.new_cache(2, 16))
+    b = second.model(ids, second.model.new_cache(2, 16))
+    assert torch.equal(a, b)
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a known model"):
+        loading.source_dir(str(tmp_path / "nope"))
+
+
+def _fake(name, vocab_size, tokenizer):
+    return SimpleNamespace(name=name, model=SimpleNamespace(vocab_size=vocab_size), tokenizer=tokenizer)
+
+
+def test_vocabulary_and_tokenizer_mismatch_are_reported():
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        check_compatible(_fake("t", 97, _tokenizer(97)), _fake("d", 96, _tokenizer(96)))
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        check_compatible(_fake("t", 97, _tokenizer(97)), _fake("d", 97, _tokenizer(97, shift=1)))
+    check_compatible(_fake("t", 97, _tokenizer(97)), _fake("d", 97, _tokenizer(97)))
+
+
+def test_text_generator_end_to_end_with_stop_string(hf_dir):
+    directory, _ = hf_dir
+    gen = TextGenerator.load(str(directory), str(directory), dtype="int8")
+    prompt = [5, 6, 7]  # (AutoTokenizer maps this test tokenizer to Qwen2Tokenizer, which cannot encode "w5")
+    plain = gen.generate([prompt], loading_params(), 12)[0]
+    spec = gen.generate([prompt], loading_params(), 12, k=3, proposer="draft")[0]
+    assert spec.token_ids == plain.token_ids
+    stop = gen.decode(plain.token_ids[2:3])
+    assert stop, "the third generated token must decode to text"
+    stopped = gen.generate([prompt], loading_params(), 12, k=3, proposer="ngram", stop=[stop])[0]
+    assert stopped.finish_reason == "stop"
+    assert stop not in stopped.text and plain.text.startswith(stopped.text)
+    assert len(stopped.token_ids) <= 3
+
+
+def loading_params():
+    from specdec.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.0)

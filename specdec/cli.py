@@ -271,6 +271,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=None, help=f"comma-separated; all: {','.join(ALL_METHODS)}; quick: {','.join(QUICK_METHODS)}")
     p.add_argument("--temperature", default="0,0.7", help="comma-separated temperatures (default: %(default)s)")
     p.add_argument("--prompts-per-category", type=int, default=None, help="default: all 8 (1 with --quick)")
+    p.add_argument("--categories", default=None, help="comma-separated subset of the prompt categories (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 64 (32 with --quick)")
     p.add_argument("--target", default=registry.DEFAULT_TARGET)
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT)
@@ -293,7 +294,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     per_cat = args.prompts_per_category or (1 if args.quick else None)
     tokens = args.max_new_tokens or (32 if args.quick else 64)
     out = Path(args.out)
-    run_bench(out, methods, temps, per_cat, args.target, args.draft, args.dtype, tokens, args.k, args.k_max)
+    categories = args.categories.split(",") if args.categories else None
+    run_bench(out, methods, temps, per_cat, args.target, args.draft, args.dtype, tokens, args.k, args.k_max, categories)
     print((out / "report.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots in {out}")
     return 0

@@ -95,7 +95,8 @@ class Bench:
 
 
 def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_per_category: int | None,
-              target: str, draft: str, dtype: str, max_new_tokens: int, k: int, k_max: int) -> dict:
+              target: str, draft: str, dtype: str, max_new_tokens: int, k: int, k_max: int,
+              categories: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
     done = {}
@@ -105,6 +106,11 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
                 r = json.loads(line)
                 done[(r["method"], r["category"], r["prompt"], r["temperature"])] = r
     workloads = load_workloads()
+    if categories:
+        unknown = [c for c in categories if c not in workloads]
+        if unknown:
+            raise ValueError(f"unknown categories {unknown}; choose from {', '.join(workloads)}")
+        workloads = {c: workloads[c] for c in categories}
     jobs = []
     for category, spec in workloads.items():
         for i, prompt in enumerate(spec["prompts"][:prompts_per_category]):

@@ -112,23 +112,27 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
             raise ValueError(f"unknown categories {unknown}; choose from {', '.join(workloads)}")
         workloads = {c: workloads[c] for c in categories}
     jobs = []
-    for category, spec in workloads.items():
-        for i, prompt in enumerate(spec["prompts"][:prompts_per_category]):
+    # Prompt-major order: an interrupted run has every category up to the same prompt index.
+    most = max(len(spec["prompts"]) for spec in workloads.values())
+    for i in range(min(most, prompts_per_category or most)):
+        for category, spec in workloads.items():
+            if i >= len(spec["prompts"]):
+                continue
             for temp in temperatures:
                 for method in methods:
                     if temp > 0 and ("_k" in method):
                         continue  # the k sweep is greedy only
-                    jobs.append((method, category, i, temp, prompt))
-    todo = [j for j in jobs if (j[0], j[1], j[2], j[3]) not in done]
+                    jobs.append((method, category, i, spec["prompts"][i], temp))
+    todo = [j for j in jobs if (j[0], j[1], j[2], j[4]) not in done]
     bench = Bench(target, draft, dtype, max_new_tokens, k, k_max) if todo else None
     with open(log, "a") as f:
-        for method, category, i, temp, prompt in tqdm(todo, desc="specdec bench", unit="run"):
+        for method, category, i, prompt, temp in tqdm(todo, desc="specdec bench", unit="run"):
             record = {"method": method, "category": category, "prompt": i, "temperature": temp}
             record.update(bench.run(method, bench.encode(prompt), temp, seed=i))
             f.write(json.dumps(record) + "\n")
             f.flush()
             done[(method, category, i, temp)] = record
-    runs = [done[(j[0], j[1], j[2], j[3])] for j in jobs]
+    runs = [done[(j[0], j[1], j[2], j[4])] for j in jobs]
     env = {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
            "python": platform.python_version(), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "dtype": dtype, "target": target,

@@ -74,9 +74,6 @@ class Timings:
     ttft: float = 0.0
     total: float = 0.0
 
-    def merge(self, other: "Timings") -> "Timings":
-        return Timings(*(a + b for a, b in zip(self.__dict__.values(), other.__dict__.values())))
-
 
 @dataclass
 class GenerationMetrics:
@@ -92,15 +89,6 @@ class GenerationMetrics:
         if self.generated_tokens <= 1:
             return 0.0
         return (self.timings.total - self.timings.ttft) / (self.generated_tokens - 1)
-
-    def merge(self, other: "GenerationMetrics") -> "GenerationMetrics":
-        return GenerationMetrics(
-            self.generated_tokens + other.generated_tokens,
-            self.target_calls + other.target_calls,
-            self.acceptance.merge(other.acceptance),
-            self.timings.merge(other.timings),
-            self.requests + other.requests,
-        )
 
     def to_dict(self) -> dict:
         t = self.timings

@@ -59,8 +59,7 @@ class DraftModelProposer:
             if i < k - 1:
                 logits = self.model(token, self.cache)[:, -1]
         self._fed_drafts = k - 1
-        self._last = torch.cat(tokens, 1)
-        return Proposal(self._last, torch.stack(probs, 1))
+        return Proposal(torch.cat(tokens, 1), torch.stack(probs, 1))
 
     def _feed(self, feed: list[list[int]], counts: torch.Tensor) -> torch.Tensor:
         width = int(counts.max())

@@ -76,6 +76,3 @@ class KVCache:
         other.v = self.v[:, index].clone()
         other.lengths = self.lengths[index].clone()
         return other
-
-    def reset(self) -> None:
-        self.lengths = torch.zeros_like(self.lengths)

@@ -259,8 +259,9 @@ def write_plots(runs: list[dict], out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(8, 4))
         for m, h in hists.items():
             if h:
-                ax.hist(h, bins=range(0, 10), alpha=0.5, label=m, density=True)
-        ax.set_xlabel("position of the first rejected draft (0 = first draft)")
+                counts = [h.count(i) / len(h) for i in range(max(h) + 1)]
+                ax.plot(range(len(counts)), counts, marker="o", label=m)
+        ax.set_xlabel("position of the first rejected draft (0 = the first draft)")
         ax.set_ylabel("fraction of rejecting calls")
         ax.legend(fontsize=7)
         ax.set_title("First-rejection position")

@@ -22,16 +22,11 @@ class DraftModelProposer:
     def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator) -> None:
         self.params, self.generator = params, generator
         self.cache = self.model.new_cache(len(prompts), self.capacity)
-        lengths = torch.tensor([len(p) for p in prompts])
-        # Feed all but the last prompt token; the last one arrives with the first pending tokens.
-        context = [p[:-1] for p in prompts]
-        self._pending_prefix = [[p[-1]] for p in prompts]
+        # Nothing runs yet: the prompt is fed (as one prefill) the first time drafts are wanted,
+        # so a request for which adaptive k never speculates never pays for the draft.
+        self._pending_prefix = [list(p) for p in prompts]
         self._skip = [0] * len(prompts)
-        longest = max(len(c) for c in context)
-        if longest > 0:
-            padded = torch.tensor([c + [0] * (longest - len(c)) for c in context])
-            self.model(padded, self.cache, logit_index=torch.zeros(len(prompts), 1, dtype=torch.long))
-            self.cache.truncate(lengths - 1)
+        self._fed_drafts = 0
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B, V]
         if not torch.isfinite(logits).all():
@@ -44,11 +39,13 @@ class DraftModelProposer:
         feed = [pre + new[skip:] for pre, new, skip in zip(self._pending_prefix, pending, self._skip)]
         self._pending_prefix = [[] for _ in range(batch)]
         self._skip = [0] * batch
-        counts = torch.tensor([len(f) for f in feed])
-        if k == 0:  # keep the context in the cache for later steps
-            self._feed(feed, counts)
+        if k == 0:
+            # No drafts this step (e.g. adaptive k turned speculation off): run nothing, keep the
+            # tokens queued and feed them in one forward the next time drafts are wanted.
+            self._pending_prefix = feed
             self._fed_drafts = 0
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
+        counts = torch.tensor([len(f) for f in feed])
         logits = self._feed(feed, counts)  # [B, V]
         tokens, probs = [], []
         for i in range(k):

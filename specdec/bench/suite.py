@@ -214,7 +214,9 @@ def write_report(results: dict, out: Path) -> str:
     diffs = greedy_check(runs)
     n_greedy = sum(1 for r in runs if r["temperature"] == 0 and r["method"] not in ("plain", "hf_plain"))
     lines += ["", "## Greedy check", ""]
-    if diffs:
+    if n_greedy == 0:
+        lines.append("No greedy speculative runs in this bench.")
+    elif diffs:
         lines += [f"{len(diffs)} of {n_greedy} greedy runs differ from their runtime's plain decoding:"] + [f"- {d}" for d in diffs]
     else:
         lines.append(f"All {n_greedy} greedy runs are token-identical to their runtime's plain greedy decoding.")

@@ -22,8 +22,7 @@ class DraftModelProposer:
     def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator) -> None:
         self.params, self.generator = params, generator
         self.cache = self.model.new_cache(len(prompts), self.capacity)
-        # Nothing runs yet: the prompt is fed (as one prefill) the first time drafts are wanted,
-        # so a request for which adaptive k never speculates never pays for the draft.
+        # Nothing runs yet: the prompt is fed (as one prefill) with the first proposal.
         self._pending_prefix = [list(p) for p in prompts]
         self._skip = [0] * len(prompts)
         self._fed_drafts = 0
@@ -39,13 +38,14 @@ class DraftModelProposer:
         feed = [pre + new[skip:] for pre, new, skip in zip(self._pending_prefix, pending, self._skip)]
         self._pending_prefix = [[] for _ in range(batch)]
         self._skip = [0] * batch
+        counts = torch.tensor([len(f) for f in feed])
         if k == 0:
-            # No drafts this step (e.g. adaptive k turned speculation off): run nothing, keep the
-            # tokens queued and feed them in one forward the next time drafts are wanted.
-            self._pending_prefix = feed
+            # Keep the cache current even without drafts. (Queueing the tokens instead and
+            # feeding them later was measured to be worse with adaptive k: the catch-up forward
+            # inflated the measured draft cost, and the controller then speculated less.)
+            self._feed(feed, counts)
             self._fed_drafts = 0
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
-        counts = torch.tensor([len(f) for f in feed])
         logits = self._feed(feed, counts)  # [B, V]
         tokens, probs = [], []
         for i in range(k):

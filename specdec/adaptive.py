@@ -102,15 +102,19 @@ class AdaptiveK:
             self._since_spec = 0
         return k
 
-    def observe(self, k: int, num_accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
-        """One step: ``k`` drafts were verified for each row, rows accepted ``num_accepted``."""
+    def observe(self, k: int, num_accepted: list[int], draft_seconds: float, verify_seconds: float,
+                caught_up: bool = False) -> None:
+        """One step: ``k`` drafts were verified for each row, rows accepted ``num_accepted``.
+        ``caught_up``: the proposer also fed tokens it had skipped while k was 0; that time is
+        not a per-draft cost, so it does not update the draft cost estimate."""
         n = k + 1
         old = self.verify_cost.get(n)
         self.verify_cost[n] = verify_seconds if old is None else old + self.ema * (verify_seconds - old)
         if k == 0:
             return
-        per_token = draft_seconds / k
-        self.draft_cost = per_token if self.draft_cost is None else self.draft_cost + self.ema * (per_token - self.draft_cost)
+        if not caught_up or self.draft_cost is None:
+            per_token = draft_seconds / k
+            self.draft_cost = per_token if self.draft_cost is None else self.draft_cost + self.ema * (per_token - self.draft_cost)
         self.accepted = [a * self.forget for a in self.accepted]
         self.tested = [t * self.forget for t in self.tested]
         for acc in num_accepted:

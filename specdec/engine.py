@@ -190,7 +190,8 @@ def generate(
             proposer.observe(result.num_accepted)
         t5 = time.perf_counter()
         if controller is not None:
-            controller.observe(step_k, result.num_accepted.tolist(), (t1 - t0) + (t5 - t4), t3 - t1)
+            controller.observe(step_k, result.num_accepted.tolist(), (t1 - t0) + (t5 - t4), t3 - t1,
+                               caught_up=bool(getattr(proposer, "caught_up", False)))
         tm.draft += (t1 - t0) + (t5 - t4)
         tm.verify += t2 - t1
         tm.sampling += t3 - t2

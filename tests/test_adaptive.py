@@ -80,3 +80,12 @@ def test_controller_choice_is_near_the_best_fixed_k():
     optimum = best_k([accept] * 8, d, [verify(n) for n in range(1, 10)], 8)
     late = chosen[200:]
     assert max(set(late), key=late.count) in {optimum - 1, optimum, optimum + 1}
+
+
+def test_catch_up_steps_do_not_inflate_the_draft_cost():
+    controller = AdaptiveK(k_max=4)
+    controller.observe(2, [1], draft_seconds=0.02, verify_seconds=0.1)
+    assert controller.draft_cost == pytest.approx(0.01)
+    controller.observe(2, [1], draft_seconds=0.5, verify_seconds=0.1, caught_up=True)
+    assert controller.draft_cost == pytest.approx(0.01)
+    assert controller.tested[0] == pytest.approx(0.97 + 1)  # acceptance is still learned

@@ -26,6 +26,7 @@ class DraftModelProposer:
         self._pending_prefix = [list(p) for p in prompts]
         self._skip = [0] * len(prompts)
         self._fed_drafts = 0
+        self.caught_up = False
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B, V]
         if not torch.isfinite(logits).all():
@@ -38,14 +39,17 @@ class DraftModelProposer:
         feed = [pre + new[skip:] for pre, new, skip in zip(self._pending_prefix, pending, self._skip)]
         self._pending_prefix = [[] for _ in range(batch)]
         self._skip = [0] * batch
-        counts = torch.tensor([len(f) for f in feed])
         if k == 0:
-            # Keep the cache current even without drafts. (Queueing the tokens instead and
-            # feeding them later was measured to be worse with adaptive k: the catch-up forward
-            # inflated the measured draft cost, and the controller then speculated less.)
-            self._feed(feed, counts)
+            # No drafts this step (adaptive k turned speculation off): run nothing; the tokens
+            # are fed in one forward the next time drafts are wanted.
+            self._pending_prefix = feed
             self._fed_drafts = 0
+            self.caught_up = False
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
+        counts = torch.tensor([len(f) for f in feed])
+        # More than the usual 1-2 new tokens: this step also caught up on skipped ones, so its
+        # time says little about the cost of a draft token (see AdaptiveK.observe).
+        self.caught_up = int(counts.max()) > 2
         logits = self._feed(feed, counts)  # [B, V]
         tokens, probs = [], []
         for i in range(k):

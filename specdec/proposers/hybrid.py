@@ -46,6 +46,10 @@ class HybridProposer:
         queued, self._queued = self._queued, [[] for _ in self._queued]
         return self.model_draft.propose(queued, k)
 
+    @property
+    def caught_up(self) -> bool:
+        return self._used is self.model_draft and getattr(self.model_draft, "caught_up", False)
+
     def observe(self, num_accepted: torch.Tensor) -> None:
         if self._used is self.model_draft:
             self.model_draft.observe(num_accepted)

@@ -38,7 +38,7 @@ class KVCache:
     def block_slots(self, block_len: int) -> torch.Tensor:
         """``[B, T]`` the slots a block of ``block_len`` new tokens will occupy in each row."""
         slots = self.lengths.unsqueeze(1) + torch.arange(block_len).unsqueeze(0)
-        if int(slots.max()) >= self.capacity if slots.numel() else False:
+        if slots.numel() and int(slots.max()) >= self.capacity:
             raise ValueError(
                 f"KV cache overflow: a row would reach {int(slots.max()) + 1} slots, capacity is {self.capacity}"
             )

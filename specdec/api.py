@@ -10,7 +10,7 @@ from typing import Callable
 
 from specdec.engine import RowResult, generate
 from specdec.metrics import GenerationMetrics
-from specdec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from specdec.proposers import PROPOSERS, DraftModelProposer, HybridProposer, NgramProposer
 from specdec.runtime import loading
 from specdec.sampling import SamplingParams
 
@@ -121,9 +121,6 @@ class TextGenerator:
             text = _cut_at_stop(self.decode(row.token_ids), stop)
             out.append(TextResult(text, row.token_ids, row.finish_reason, row.metrics, row.batch_metrics, len(prompt)))
         return out
-
-
-PROPOSERS = ("draft", "ngram", "early-exit", "hybrid")
 
 
 def _make_proposer(gen: "TextGenerator", kind: str, capacity: int, ngram: tuple[int, int], exit_layer: int | None):

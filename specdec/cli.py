@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+from specdec.proposers import PROPOSERS
+
 
 def _add_toy(sub: argparse._SubParsersAction) -> None:
     from specdec.toy import experiment as ex
@@ -114,7 +116,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name or path to a .gguf file / HF directory (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model name or path; enables speculative decoding")
-    p.add_argument("--proposer", choices=["draft", "ngram", "early-exit", "hybrid"], default=None,
+    p.add_argument("--proposer", choices=PROPOSERS, default=None,
                    help="where drafts come from: a draft model (default when --draft is given), n-gram "
                    "prompt lookup, the target's own first layers, or hybrid (n-gram when it matches, "
                    "else the draft model / early exit). Without --draft or --proposer: plain decoding")
@@ -225,7 +227,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--target", default=registry.DEFAULT_TARGET)
     p.add_argument("--draft", default=None)
-    p.add_argument("--proposer", choices=["draft", "ngram", "early-exit", "hybrid"], default=None,
+    p.add_argument("--proposer", choices=PROPOSERS, default=None,
                    help="default: draft if --draft is given, else ngram")
     p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable); default: built-in code prompts")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")

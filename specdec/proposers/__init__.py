@@ -5,4 +5,6 @@ from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.hybrid import HybridProposer
 from specdec.proposers.ngram import NgramProposer
 
-__all__ = ["DraftModelProposer", "HybridProposer", "NgramProposer", "Proposal", "Proposer"]
+PROPOSERS = ("draft", "ngram", "early-exit", "hybrid")  # the names the CLI and the API accept
+
+__all__ = ["PROPOSERS", "DraftModelProposer", "HybridProposer", "NgramProposer", "Proposal", "Proposer"]

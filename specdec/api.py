@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specdec.detokenize import IncrementalDetokenizer, StopFinder
 from specdec.engine import RowResult, generate
 from specdec.metrics import GenerationMetrics
 from specdec.proposers import PROPOSERS, DraftModelProposer, HybridProposer, NgramProposer
@@ -84,20 +85,23 @@ class TextGenerator:
         draft model; the default when one is loaded and k != 0), "ngram", "early-exit" or
         "hybrid" (n-gram when it matches, else the draft model or the early exit)."""
         stop = [s for s in (stop or []) if s]
+        # Per row: the text so far, decoded a few tokens at a time, and where a stop string starts.
+        texts = [IncrementalDetokenizer(self.target.tokenizer) for _ in prompts]
+        finders = [StopFinder(stop) for _ in prompts]
+        emitted = [0] * len(prompts)  # characters already passed to on_text
 
         def stop_checker(row: int, ids: list[int]) -> int | None:
-            text = self.decode(ids)
-            return len(ids) if any(s in text for s in stop) else None
-
-        emitted = [0] * len(prompts)
+            texts[row].update(ids)
+            return len(ids) if finders[row].feed(texts[row].text) is not None else None
 
         def on_tokens(row: int, ids: list[int]) -> None:
-            text = _cut_at_stop(self.decode(ids), stop)
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                return
-            if len(text) > emitted[row]:
-                on_text(row, text[emitted[row] :])
-                emitted[row] = len(text)
+            texts[row].update(ids)
+            text = texts[row].text
+            finders[row].feed(text)
+            end = finders[row].safe_length(text)  # hold back what may be the start of a stop string
+            if end > emitted[row]:
+                on_text(row, text[emitted[row] : end])
+                emitted[row] = end
 
         if proposer is None and self.draft is not None and k != 0:
             proposer = "draft"
@@ -117,8 +121,10 @@ class TextGenerator:
             on_tokens=on_tokens if on_text else None,
         )
         out = []
-        for prompt, row in zip(prompts, rows):
-            text = _cut_at_stop(self.decode(row.token_ids), stop)
+        for i, (prompt, row) in enumerate(zip(prompts, rows)):
+            text = _cut_at_stop(self.decode(row.token_ids), stop)  # one full decode per answer
+            if on_text and len(text) > emitted[i]:
+                on_text(i, text[emitted[i] :])  # held-back text of a row that did not stop there
             out.append(TextResult(text, row.token_ids, row.finish_reason, row.metrics, row.batch_metrics, len(prompt)))
         return out
 

@@ -25,12 +25,17 @@ def test_report_tables_greedy_check_and_plots(tmp_path):
         _run("draft_auto", "code", 0, 0.0, 12.0, [1, 9, 3], acc=[0, 1]),  # a deliberate difference
         _run("ngram_k2", "code", 0, 0.0, 15.0, [1, 2, 3], acc=[1]),
         _run("ngram_k8", "code", 0, 0.0, 20.0, [1, 2, 3], acc=[2]),
+        _run("hf_assisted", "code", 0, 0.0, 9.0, [1, 2, 4]),
     ]
+    runs[2]["metrics"].update(ttft_s=0.5, tpot_s=0.04, total_s=2.0, time_breakdown_s={"draft": 0.1})
     report = suite.write_report({"runs": runs, "environment": {
         "date": "x", "target": "t", "draft": "d", "dtype": "int8", "max_new_tokens": 3, "torch": "x",
         "transformers": "x", "cores": 2}}, tmp_path)
     assert "| ngram | 2.50x | 2.50x |" in report  # 25 / 10
     assert "draft_auto / code #0: differs from its plain decoding at token 1" in report
+    assert "specdec speculative: 1 of 4 greedy runs differ from `plain` (3 identical):" in report
+    assert "transformers assisted / prompt-lookup: all 1 greedy runs are token-identical to `hf_plain`." in report
+    assert "| ngram | 0.0 | 500 | 40.0 | 25.00 | 5.0% |" in report  # the time table
     for name in ["speedup_by_category.png", "first_rejection.png", "speedup_vs_k.png"]:
         assert (tmp_path / name).stat().st_size > 1000
 

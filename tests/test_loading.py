@@ -80,10 +80,16 @@ def test_text_generator_end_to_end_with_stop_string(hf_dir):
     assert spec.token_ids == plain.token_ids
     stop = gen.decode(plain.token_ids[2:3])
     assert stop, "the third generated token must decode to text"
-    stopped = gen.generate([prompt], loading_params(), 12, k=3, proposer="ngram", stop=[stop])[0]
+    chunks = []
+    stopped = gen.generate([prompt], loading_params(), 12, k=3, proposer="ngram", stop=[stop],
+                           on_text=lambda row, text: chunks.append(text))[0]
     assert stopped.finish_reason == "stop"
     assert stop not in stopped.text and plain.text.startswith(stopped.text)
     assert len(stopped.token_ids) <= 3
+    assert "".join(chunks) == stopped.text  # streaming shows exactly the final text, never the stop string
+    chunks.clear()
+    streamed = gen.generate([prompt], loading_params(), 12, k=3, proposer="draft", on_text=lambda row, text: chunks.append(text))[0]
+    assert "".join(chunks) == streamed.text == plain.text and len(chunks) > 1
 
 
 def loading_params():

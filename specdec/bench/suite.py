@@ -158,8 +158,8 @@ def _speedups(runs: list[dict], baseline: str) -> dict[tuple[str, str, float], f
     return {k: statistics.median(v) for k, v in ratios.items()}
 
 
-def greedy_check(runs: list[dict]) -> list[str]:
-    """Greedy outputs that differ from the plain decoding of the same runtime."""
+def _greedy_diffs(runs: list[dict]) -> list[tuple[dict, str]]:
+    """(run, description) for each greedy output that differs from its runtime's plain decoding."""
     ref = {(r["category"], r["prompt"]): r["token_ids"] for r in runs if r["method"] == "plain" and r["temperature"] == 0}
     hf_ref = {(r["category"], r["prompt"]): r["token_ids"] for r in runs if r["method"] == "hf_plain" and r["temperature"] == 0}
     diffs = []
@@ -170,8 +170,28 @@ def greedy_check(runs: list[dict]) -> list[str]:
         expected = table.get((r["category"], r["prompt"]))
         if expected is not None and r["token_ids"] != expected:
             first = next((i for i, (a, b) in enumerate(zip(r["token_ids"], expected)) if a != b), min(len(r["token_ids"]), len(expected)))
-            diffs.append(f"{r['method']} / {r['category']} #{r['prompt']}: differs from its plain decoding at token {first}")
+            diffs.append((r, f"{r['method']} / {r['category']} #{r['prompt']}: differs from its plain decoding at token {first}"))
     return diffs
+
+
+def _greedy_check_lines(runs: list[dict]) -> list[str]:
+    """One verdict for specdec (speculative vs our plain) and one for transformers (assisted and
+    prompt lookup vs its plain), each followed by the runs that differ."""
+    diffs = _greedy_diffs(runs)
+    lines = []
+    for label, is_ours, reference in (("specdec speculative", True, "plain"), ("transformers assisted / prompt-lookup", False, "hf_plain")):
+        refs = {(r["category"], r["prompt"]) for r in runs if r["method"] == reference and r["temperature"] == 0}
+        checked = [r for r in runs if r["temperature"] == 0 and r["method"] not in ("plain", "hf_plain")
+                   and r["method"].startswith("hf_") != is_ours and (r["category"], r["prompt"]) in refs]
+        if not checked:
+            continue
+        bad = [d for r, d in diffs if r["method"].startswith("hf_") != is_ours]
+        if bad:
+            lines += [f"{label}: {len(bad)} of {len(checked)} greedy runs differ from `{reference}` "
+                      f"({len(checked) - len(bad)} identical):"] + [f"- {d}" for d in bad] + [""]
+        else:
+            lines += [f"{label}: all {len(checked)} greedy runs are token-identical to `{reference}`.", ""]
+    return lines or ["No greedy run has a plain-decoding reference in this bench."]
 
 
 def write_report(results: dict, out: Path) -> str:
@@ -211,18 +231,34 @@ def write_report(results: dict, out: Path) -> str:
                          f"{statistics.median(a['full_acceptance_rate'] for a in acc):.0%} | "
                          f"{statistics.median(r['metrics']['target_calls_per_token'] for r in rs):.3f} | "
                          f"{statistics.median(r['metrics']['throughput_tok_s'] for r in rs):.2f} |")
-    diffs = greedy_check(runs)
-    n_greedy = sum(1 for r in runs if r["temperature"] == 0 and r["method"] not in ("plain", "hf_plain"))
-    lines += ["", "## Greedy check", ""]
-    if n_greedy == 0:
-        lines.append("No greedy speculative runs in this bench.")
-    elif diffs:
-        lines += [f"{len(diffs)} of {n_greedy} greedy runs differ from their runtime's plain decoding:"] + [f"- {d}" for d in diffs]
-    else:
-        lines.append(f"All {n_greedy} greedy runs are token-identical to their runtime's plain greedy decoding.")
+    lines += ["", "## Time (our methods, medians over all prompts)", "",
+              "TTFT includes the prefill and the first token; TPOT is the mean time per later token; "
+              "draft share is the proposer's part of the total time (the draft's cost).", "",
+              "| method | temperature | TTFT ms | TPOT ms | tok/s | draft share |", "|---|---|---|---|---|---|"]
+    for m in methods:
+        for temp in temps:
+            rs = [r for r in runs if r["method"] == m and r["temperature"] == temp and "ttft_s" in r["metrics"]]
+            if not rs:
+                continue
+            med = {key: statistics.median(r["metrics"][key] for r in rs) for key in ("ttft_s", "tpot_s", "throughput_tok_s")}
+            share = statistics.median(r["metrics"]["time_breakdown_s"]["draft"] / r["metrics"]["total_s"] for r in rs)
+            lines.append(f"| {m} | {temp} | {med['ttft_s'] * 1e3:.0f} | {med['tpot_s'] * 1e3:.1f} | "
+                         f"{med['throughput_tok_s']:.2f} | {share:.1%} |")
+    lines += ["", "## Greedy check", ""] + _greedy_check_lines(runs)
     plots = write_plots(runs, out)
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _save(fig, ax, path: Path, title: str, paths: list[Path]) -> None:
+    """Title, lay out, write and close one figure; record its path."""
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
 
 
 def write_plots(runs: list[dict], out: Path) -> list[Path]:
@@ -231,7 +267,7 @@ def write_plots(runs: list[dict], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    paths: list[Path] = []
     sp = _speedups(runs, "plain")
     methods = [m for m in dict.fromkeys(r["method"] for r in runs) if "_k" not in m]
     categories = list(dict.fromkeys(r["category"] for r in runs))
@@ -245,33 +281,25 @@ def write_plots(runs: list[dict], out: Path) -> list[Path]:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))], categories)
         ax.set_ylabel("speed-up vs specdec plain (greedy)")
         ax.legend(fontsize=7, ncol=3)
-        ax.set_title("Speed-up by category and method")
-        fig.tight_layout()
-        paths.append(out / "speedup_by_category.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    hists = {}
+        _save(fig, ax, out / "speedup_by_category.png", "Speed-up by category and method", paths)
+    hists: dict[str, list[int]] = {}
     for r in runs:
         acc = r["metrics"].get("acceptance")
         if acc and acc["verify_calls_with_drafts"]:
-            h = hists.setdefault(r["method"], [])
+            h = hists.setdefault(r["method"], [0] * len(acc["first_rejection_histogram"]))
+            h.extend([0] * (len(acc["first_rejection_histogram"]) - len(h)))
             for i, c in enumerate(acc["first_rejection_histogram"]):
-                h.extend([i] * c)
-    if hists:
+                h[i] += c
+    if any(sum(h) for h in hists.values()):
         fig, ax = plt.subplots(figsize=(8, 4))
         for m, h in hists.items():
-            if h:
-                counts = [h.count(i) / len(h) for i in range(max(h) + 1)]
-                ax.plot(range(len(counts)), counts, marker="o", label=m)
+            if sum(h):
+                ax.plot(range(len(h)), [c / sum(h) for c in h], marker="o", label=m)
         ax.set_xlabel("position of the first rejected draft (0 = the first draft)")
         ax.set_ylabel("fraction of rejecting calls")
         ax.legend(fontsize=7)
-        ax.set_title("First-rejection position")
-        fig.tight_layout()
-        paths.append(out / "first_rejection.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    sweep = {}
+        _save(fig, ax, out / "first_rejection.png", "First-rejection position", paths)
+    sweep: dict[str, dict[int, list[float]]] = {}
     for (m, c, t), v in sp.items():
         if "_k" in m and t == 0:
             name, k = m.rsplit("_k", 1)
@@ -285,9 +313,5 @@ def write_plots(runs: list[dict], out: Path) -> list[Path]:
         ax.set_xlabel("k (fixed)")
         ax.set_ylabel("speed-up vs plain (median over categories)")
         ax.legend()
-        ax.set_title("Speed-up against k")
-        fig.tight_layout()
-        paths.append(out / "speedup_vs_k.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        _save(fig, ax, out / "speedup_vs_k.png", "Speed-up against k", paths)
     return paths

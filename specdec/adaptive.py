@@ -105,14 +105,16 @@ class AdaptiveK:
     def observe(self, k: int, num_accepted: list[int], draft_seconds: float, verify_seconds: float,
                 caught_up: bool = False) -> None:
         """One step: ``k`` drafts were verified for each row, rows accepted ``num_accepted``.
-        ``caught_up``: the proposer also fed tokens it had skipped while k was 0; that time is
-        not a per-draft cost, so it does not update the draft cost estimate."""
+        ``caught_up``: the proposer also fed tokens it had skipped while k was 0 (or the whole
+        prompt, on its first step); that time is not a per-draft cost, so it does not update the
+        draft cost estimate. Until a step that is not a catch-up measures it, the draft cost is
+        taken as 0, which keeps speculating until it is measured."""
         n = k + 1
         old = self.verify_cost.get(n)
         self.verify_cost[n] = verify_seconds if old is None else old + self.ema * (verify_seconds - old)
         if k == 0:
             return
-        if not caught_up or self.draft_cost is None:
+        if not caught_up:  # (the first step is always one: the proposer's own prefill of the prompt)
             per_token = draft_seconds / k
             self.draft_cost = per_token if self.draft_cost is None else self.draft_cost + self.ema * (per_token - self.draft_cost)
         self.accepted = [a * self.forget for a in self.accepted]

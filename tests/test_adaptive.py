@@ -88,3 +88,14 @@ def test_catch_up_steps_do_not_inflate_the_draft_cost():
     controller.observe(2, [1], draft_seconds=0.5, verify_seconds=0.1, caught_up=True)
     assert controller.draft_cost == pytest.approx(0.01)
     assert controller.tested[0] == pytest.approx(0.97 + 1)  # acceptance is still learned
+
+
+def test_the_proposers_prefill_does_not_become_the_draft_cost():
+    """Regression: the first drafting step also feeds the whole prompt to the draft model. Taking
+    that time as the per-token draft cost made k = 0 look best from the first step on, and the
+    probes that followed were all catch-up steps, so the estimate never recovered."""
+    controller = AdaptiveK(k_max=4)
+    controller.observe(4, [4], draft_seconds=1.0, verify_seconds=0.1, caught_up=True)  # prompt prefill
+    assert controller.draft_cost is None and controller.choose() > 0
+    controller.observe(4, [4], draft_seconds=0.02, verify_seconds=0.1)
+    assert controller.draft_cost == pytest.approx(0.005)

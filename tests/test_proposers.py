@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import specdec.verify as verify_module
 from specdec.engine import generate
 from specdec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from specdec.proposers.ngram import NgramIndex
@@ -72,14 +73,31 @@ def test_ngram_accepts_on_repetitive_text(pair):
     assert acc.accepted > 0.5 * acc.drafted > 0
 
 
-@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid"])
-def test_exact_joint_law_for_every_proposer(kind):
+def _proposer_joint_counts(kind):
+    """Counts of the first three tokens over 10^5 sampled continuations, and the exact target law."""
     target = ours(hf_tiny("llama", vocab=V_SMALL, seed=3), "int8")
     draft = ours(hf_tiny("llama", vocab=V_SMALL, seed=4, layers=1), "int8")
     proposer = _make(kind, target, draft, 16)
     rows = generate(target, [PROMPT] * N_SAMPLES, PARAMS, 3, proposer=proposer, k=2, seed=21)
-    tokens = torch.tensor([r.token_ids for r in rows])
+    tokens = torch.tensor([r.token_ids for r in rows])  # [N, 3]
     counts = torch.bincount((tokens[:, 0] * V_SMALL + tokens[:, 1]) * V_SMALL + tokens[:, 2], minlength=V_SMALL**3)
     acc = rows[0].batch_metrics.acceptance
     assert 0 < acc.accepted < acc.drafted  # both verifier branches exercised
-    assert chi_square_pvalue(counts, _exact_joint(target)) > ALPHA
+    return counts, _exact_joint(target)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid"])
+def test_exact_joint_law_for_every_proposer(kind):
+    """Power: 10^5 samples over 216 cells; each proposer's own negative control below fails."""
+    counts, joint = _proposer_joint_counts(kind)
+    assert chi_square_pvalue(counts, joint) > ALPHA
+
+
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid"])
+def test_negative_control_for_every_proposer(kind, monkeypatch):
+    """The same test with a wrong verifier (after a rejection, sample from p instead of the residual)
+    must fail for each proposer: with n-gram's one-hot drafts the rejected token can then be drawn
+    again, with model drafts the residual's correction is lost."""
+    monkeypatch.setattr(verify_module, "residual_distribution", lambda p, q, tolerance=1e-6: p)
+    counts, joint = _proposer_joint_counts(kind)
+    assert chi_square_pvalue(counts, joint) < ALPHA

@@ -292,6 +292,7 @@ def write_plots(runs: list[dict], out: Path) -> list[Path]:
                 h[i] += c
     if any(sum(h) for h in hists.values()):
         fig, ax = plt.subplots(figsize=(8, 4))
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # more methods than the default 10 colours
         for m, h in hists.items():
             if sum(h):
                 ax.plot(range(len(h)), [c / sum(h) for c in h], marker="o", label=m)

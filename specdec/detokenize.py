@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.text = ""
-        self._ids: list[int] = []
+        self._length = 0  # how many ids the last call saw
         self._prefix = 0
         self._read = 0
 
@@ -32,17 +32,17 @@ class IncrementalDetokenizer:
     def update(self, ids: list[int]) -> str:
         """``ids``: the whole sequence so far, an extension of the previous call's. Returns the
         text it adds (possibly empty) and appends it to ``self.text``."""
-        if len(ids) < len(self._ids):
-            raise ValueError(f"the token sequence shrank from {len(self._ids)} to {len(ids)} ids")
-        if len(ids) == len(self._ids):
+        if len(ids) < self._length:
+            raise ValueError(f"the token sequence shrank from {self._length} to {len(ids)} ids")
+        if len(ids) == self._length:
             return ""
-        self._ids.extend(ids[len(self._ids) :])
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
+        self._length = len(ids)
+        prefix_text = self._decode(ids[self._prefix : self._read])
+        new_text = self._decode(ids[self._prefix :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix, self._read = self._read, len(ids)
         self.text += delta
         return delta
 

@@ -12,7 +12,7 @@ from specdec.detokenize import IncrementalDetokenizer, StopFinder
 from specdec.engine import RowResult, generate
 from specdec.metrics import GenerationMetrics
 from specdec.proposers import PROPOSERS, DraftModelProposer, HybridProposer, NgramProposer
-from specdec.runtime import loading
+from specdec.models import loading
 from specdec.sampling import SamplingParams
 
 _EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>")

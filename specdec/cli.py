@@ -75,7 +75,7 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_models(args: argparse.Namespace) -> int:
-    from specdec.runtime import loading, registry
+    from specdec.models import loading, registry
 
     if args.action == "install":
         names = args.names or list(registry.MODELS)
@@ -89,7 +89,7 @@ def _run_models(args: argparse.Namespace) -> int:
     rows = []
     for spec in registry.MODELS.values():
         converted = loading.converted_dir_for(spec)
-        status = "ready" if (converted / "done").exists() else ("assembled" if spec.installed() else "not installed")
+        status = "ready" if loading.is_converted(converted) else ("assembled" if spec.installed() else "not installed")
         aliases = [a for a, n in registry.ALIASES.items() if n == spec.name]
         rows.append({"name": spec.name, "aliases": aliases, "role": spec.role, "status": status,
                      "description": spec.description, "path": str(converted if status == "ready" else spec.gguf_path)})
@@ -105,7 +105,7 @@ def _run_models(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from specdec.runtime import registry
+    from specdec.models import registry
 
     p = sub.add_parser(
         "generate",
@@ -216,7 +216,7 @@ def _summary(m: dict, gen, args, proposer) -> str:
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
-    from specdec.runtime import registry
+    from specdec.models import registry
 
     p = sub.add_parser(
         "profile",
@@ -258,7 +258,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from specdec.bench.suite import ALL_METHODS, QUICK_METHODS
-    from specdec.runtime import registry
+    from specdec.models import registry
 
     p = sub.add_parser(
         "bench",

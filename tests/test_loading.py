@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.api import TextGenerator, check_compatible
-from specdec.runtime import loading
+from specdec.models import loading
 from tiny_models import hf_tiny
 
 

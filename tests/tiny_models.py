@@ -44,3 +44,25 @@ def hf_tiny(kind: str, vocab: int = 97, seed: int = 0, layers: int = 3, hidden: 
 
 def ours(hf_model, dtype: str = "float32", act_absmax=None) -> Transformer:
     return Transformer(ModelConfig.from_hf(hf_model.config), hf_model.state_dict(), dtype, act_absmax)
+
+
+def char_tokenizer():
+    """A 97-token byte-level BPE over single characters (no merges): every ASCII text encodes,
+    and transformers' Qwen2/Llama tokenizer classes read it back unchanged."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = (string.ascii_letters + string.digits + string.punctuation)[:95] + "ĠĊ"
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, [], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="!")
+
+
+def save_hf_dir(hf_model, directory):
+    """A Hugging Face model directory (weights, config, tokenizer) as a user would have one."""
+    hf_model.save_pretrained(directory)
+    char_tokenizer().save_pretrained(directory)
+    return directory

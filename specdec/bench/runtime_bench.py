@@ -18,7 +18,7 @@ from specdec.api import TextGenerator
 from specdec.bench.hf import hf_generate, load_hf
 from specdec.bench.prompts import CODE_PROMPTS
 from specdec.engine import generate
-from specdec.runtime import registry
+from specdec.models import registry
 from specdec.sampling import SamplingParams
 
 

@@ -19,7 +19,7 @@ import torch
 from specdec.api import TextGenerator
 from specdec.bench.hf import hf_generate, load_hf
 from specdec.bench.prompts import CODE_PROMPTS
-from specdec.runtime import registry
+from specdec.models import registry
 from specdec.sampling import SamplingParams
 
 

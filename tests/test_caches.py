@@ -1,0 +1,223 @@
+"""Derived caches: keyed by content, written atomically, one builder at a time, and healing.
+
+Each test here failed before the cache mechanism of specdec.models.cache existed: caches were
+keyed by the model directory's path, written in place, trusted once a marker existed, and built
+in one shared ``.tmp`` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.models import cache, loading, registry
+from tiny_models import hf_tiny, save_hf_dir
+
+IDS = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
+
+
+def _save(hf, directory: Path) -> Path:
+    return save_hf_dir(hf, directory)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _logits(loaded) -> torch.Tensor:
+    return loaded.model(IDS, loaded.model.new_cache(2, 16))
+
+
+def _files(root: Path, pattern: str) -> list[Path]:
+    return sorted(root.rglob(pattern))
+
+
+def test_changed_weights_are_never_answered_from_a_stale_int8_cache(home, tmp_path):
+    directory = _save(hf_tiny("qwen2"), tmp_path / "model")
+    old = _logits(loading.load(str(directory), "int8"))
+    changed = hf_tiny("qwen2")
+    with torch.no_grad():
+        for name, p in changed.named_parameters():
+            if "o_proj" in name or "down_proj" in name:
+                p.zero_()
+    _save(changed, directory)  # same path, new weights
+    new = _logits(loading.load(str(directory), "int8"))
+    fresh_home = tmp_path / "fresh"
+    os.environ["SPECDEC_HOME"] = str(fresh_home)  # monkeypatch restores it at teardown
+    reference = _logits(loading.load(str(directory), "int8"))  # built from scratch
+    assert not torch.equal(new, old)
+    assert torch.equal(new, reference)
+    # the cache of the old weights is gone, not left to pile up
+    assert len(_files(home / "quantized", "*.safetensors")) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "directory", "garbage"])
+@pytest.mark.parametrize("which", ["quantized", "calibration"])
+def test_a_damaged_cache_file_is_rebuilt_once_with_a_notice(home, tmp_path, capsys, damage, which):
+    directory = _save(hf_tiny("qwen2"), tmp_path / "model")
+    expected = _logits(loading.load(str(directory), "int8"))
+    (victim,) = _files(home / which, "*.safetensors")
+    if which == "calibration":  # the calibration file is only read when the int8 cache is built
+        for q in _files(home / "quantized", "*.safetensors"):
+            q.unlink()
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    elif damage == "empty":
+        victim.write_bytes(b"")
+    elif damage == "directory":
+        victim.unlink()
+        victim.mkdir()
+    else:
+        victim.write_bytes(b"\x07" * 4096)
+    capsys.readouterr()
+    got = _logits(loading.load(str(directory), "int8"))
+    out, err = capsys.readouterr()
+    assert torch.equal(got, expected)
+    assert out == ""  # notices go to stderr only
+    if damage != "directory":  # a directory in a file's place reads as "missing": rebuilt silently
+        assert "damaged" in err and "rebuilding" in err
+    assert victim.is_file()
+    assert _files(home, "*.tmp-*") == []
+    # healed for good: the next load reads the cache without a notice
+    _logits(loading.load(str(directory), "int8"))
+    assert "damaged" not in capsys.readouterr().err
+
+
+def _fake_converter(monkeypatch, calls: list[Path]):
+    """Conversion of a (fake) GGUF: writes the tiny model's HF directory, counting the calls."""
+
+    def convert(gguf: Path, tmp: Path) -> Path:
+        calls.append(tmp)
+        return _save(hf_tiny("qwen2"), tmp)
+
+    monkeypatch.setattr(loading, "_convert", convert)
+
+
+@pytest.mark.parametrize("damage", ["truncate-weights", "empty-weights", "bad-config", "no-marker", "bad-marker"])
+def test_a_damaged_conversion_is_converted_again(home, tmp_path, monkeypatch, capsys, damage):
+    calls: list[Path] = []
+    _fake_converter(monkeypatch, calls)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF fake")
+    expected = _logits(loading.load(str(gguf), "float32"))
+    (out,) = [p for p in (home / "converted").iterdir() if p.is_dir()]
+    weights, config = out / "model.safetensors", out / "config.json"
+    if damage == "truncate-weights":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "empty-weights":
+        weights.write_bytes(b"")
+    elif damage == "bad-config":  # same size, invalid JSON: only reading it finds out
+        config.write_bytes(b"{" * config.stat().st_size)
+    elif damage == "no-marker":
+        (out / loading.DONE).unlink()
+    else:
+        (out / loading.DONE).write_text("not json")
+    capsys.readouterr()
+    got = _logits(loading.load(str(gguf), "float32"))
+    assert torch.equal(got, expected)
+    assert len(calls) == 2
+    _, err = capsys.readouterr()
+    assert "damaged" in err or "again" in err
+    assert loading.is_converted(out)
+    assert _files(home, "*.tmp-*") == []
+
+
+def test_a_garbage_gguf_is_a_clear_error(home, tmp_path):
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(loading.ModelLoadError, match="damaged or not a supported GGUF"):
+        loading.load(str(gguf), "float32")
+    assert _files(home, "*.tmp-*") == []
+
+
+def test_a_killed_builder_leaves_nothing_behind(home, tmp_path):
+    """A builder killed with SIGKILL leaves its temporary file; the next build removes it."""
+    directory = _save(hf_tiny("qwen2"), tmp_path / "model")
+    target = cache.home() / "quantized" / "x.safetensors"
+    target.parent.mkdir(parents=True)
+    stale = cache.temp_path(target)
+    stale.write_bytes(b"half a file")
+    with cache.build_lock(target):
+        pass
+    assert not stale.exists()
+    loading.load(str(directory), "int8")
+    assert _files(home, "*.tmp-*") == []
+
+
+_RACE = """
+import sys
+from specdec.models import loading
+m = loading.load(sys.argv[1], "int8")
+print(m.model.vocab_size)
+"""
+
+
+def test_two_first_runs_at_once_both_succeed_and_share_one_cache(home, tmp_path):
+    directory = _save(hf_tiny("qwen2"), tmp_path / "model")
+    env = dict(os.environ, SPECDEC_HOME=str(home))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RACE, str(directory)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert len(_files(home / "quantized", "*.safetensors")) == 1
+    assert len(_files(home / "calibration", "*.safetensors")) == 1
+    assert _files(home, "*.tmp-*") == []
+    # exactly one of the two built it; the other waited and reused it
+    assert sum("quantizing" in err for _, err in results) == 1
+
+
+def _fake_spec(tmp_path, monkeypatch, content: bytes) -> registry.ModelSpec:
+    import hashlib
+
+    part = tmp_path / "part.bin"
+    part.write_bytes(content)
+    monkeypatch.setattr(registry, "_pip_install", lambda reqs: None)
+    monkeypatch.setattr(registry, "_source_files", lambda spec: [part])
+    return registry.ModelSpec("fake", "fake", "tests", (), hashlib.sha256(content).hexdigest(),
+                              "fake.gguf", "file", ())
+
+
+def test_registry_file_is_rechecked_and_reassembled_when_changed(home, tmp_path, monkeypatch, capsys):
+    content = bytes(range(256)) * 64
+    spec = _fake_spec(tmp_path, monkeypatch, content)
+    path = registry.install(spec)
+    assert path.read_bytes() == content
+    data = bytearray(content)
+    data[100] ^= 0xFF  # same size, one byte changed
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    registry.install(spec)
+    assert path.read_bytes() == content
+    assert "sha256" in capsys.readouterr().err
+    assert _files(home, "*.tmp-*") == []
+
+
+def test_registry_hash_mismatch_leaves_no_file(home, tmp_path, monkeypatch):
+    spec = _fake_spec(tmp_path, monkeypatch, b"abc")
+    bad = registry.ModelSpec(**{**spec.__dict__, "sha256": "0" * 64})
+    with pytest.raises(registry.InstallError, match="sha256 mismatch"):
+        registry.install(bad)
+    assert not bad.gguf_path.exists()
+    assert _files(home, "*.tmp-*") == []
+
+
+def test_notices_go_to_stderr_and_json_stays_json(home, tmp_path, capsys):
+    from specdec.cli import main
+
+    directory = _save(hf_tiny("qwen2"), tmp_path / "model")
+    code = main(["generate", "--target", str(directory), "--prompt", "abc de", "--max-new-tokens", "3", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "quantizing" in err  # the first use builds the int8 cache, and says so on stderr
+    assert json.loads(out)["token_ids"]

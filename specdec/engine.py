@@ -160,11 +160,14 @@ def generate(
                 proposer.retain(keep)
             tm.cache += time.perf_counter() - t
         remaining = max(max_new_tokens - len(results[r].token_ids) for r in alive)
+        # The block writes positions lengths .. lengths + k of every row: no row may pass the
+        # context (ragged acceptance can leave a long row near its end while others still draft).
+        room = context_len - 1 - int(cache.lengths.max())
         controller = None
         if controllers is not None and proposer is not None:
             source = proposer.next_source(pending) if hasattr(proposer, "next_source") else "default"
             controller = controllers.setdefault(source, AdaptiveK(k_max=k_max))
-        step_k = min(controller.choose() if controller else k, remaining - 1)
+        step_k = min(controller.choose() if controller else k, remaining - 1, room)
         t0 = time.perf_counter()
         if proposer is not None:
             proposal = proposer.propose(pending, step_k)

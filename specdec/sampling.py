@@ -18,7 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "greedy_one_hot", "probs_from_logits", "probs_per_row", "sample"]
+# Above this the processed distribution is uniform noise over the kept tokens for any real logits
+# (and inf is not a temperature): such a value is a mistake, not a request.
+MAX_TEMPERATURE = 100.0
+
+__all__ = ["MAX_TEMPERATURE", "SamplingParams", "greedy_one_hot", "probs_from_logits", "probs_per_row", "sample"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,8 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):  # also rejects NaN
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 or None, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
@@ -72,7 +76,11 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         raise ValueError("logits must have at least one dimension (the vocabulary)")
     if params.greedy:
         return greedy_one_hot(logits)
-    x = logits.to(_prob_dtype(logits)) / params.temperature  # [..., V]
+    # Shift by the row max before dividing (softmax is shift-invariant): the largest logit becomes
+    # 0 and the rest <= 0, so even a tiny temperature (1e-38) cannot overflow to inf - inf = NaN;
+    # it tends to the greedy one-hot as it should.
+    x = logits.to(_prob_dtype(logits))
+    x = (x - x.amax(dim=-1, keepdim=True)) / params.temperature  # [..., V]
     vocab = x.shape[-1]
     if params.top_k and params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -109,10 +117,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     per row, ~3 ms for a 152k vocabulary here, against ~0.3 ms for a cumulative sum. A token with
     probability 0 is never returned: its CDF step is empty, and ``searchsorted(right=True)``
     returns the first index whose CDF exceeds the uniform.
+
+    Raises ``ValueError`` for a row with no mass to sample from (all zeros, or any NaN / inf /
+    negative entry makes its total non-finite or non-positive): such a row is a bug upstream, and
+    returning some id for it would hide the bug.
     """
     flat = probs.reshape(-1, probs.shape[-1])
     cdf = flat.to(torch.float64).cumsum(-1)  # [N, V]
+    total = cdf[:, -1:]  # [N, 1]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("cannot sample from a row whose probabilities are all zero, NaN or infinite")
     u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
-    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]
+    ids = torch.searchsorted(cdf, u * total, right=True)  # [N, 1]
+    # u < 1, so u * total < total and searchsorted finds an id < V, except when rounding makes
+    # u * total == total for u within ~1e-16 of 1: the clamp keeps that id in range.
     ids = ids.clamp_(max=flat.shape[-1] - 1)
     return ids.reshape(probs.shape[:-1])

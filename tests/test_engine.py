@@ -35,7 +35,8 @@ def pair():
 
 
 def _spec(target, draft, prompts, params, max_new, k, seed=0, **kw):
-    proposer = DraftModelProposer(draft, max(len(p) for p in prompts) + max_new + k + 2)
+    """``k`` an int or "auto" (then up to 8 draft tokens)."""
+    proposer = DraftModelProposer(draft, max(len(p) for p in prompts) + max_new + (8 if k == "auto" else k) + 2)
     return generate(target, prompts, params, max_new, proposer=proposer, k=k, seed=seed, **kw)
 
 
@@ -197,3 +198,23 @@ def test_negative_control_engine_without_residual_fails(small_pair, monkeypatch)
     monkeypatch.setattr(verify_module, "residual_distribution", lambda p, q, tolerance=1e-6: p)
     counts, _ = _sampled_joint_counts(target, draft, 2)
     assert chi_square_pvalue(counts, _exact_joint(target)) < 1e-12
+
+
+@pytest.mark.parametrize("k", [4, 8, "auto"])
+def test_batched_speculation_never_passes_the_context_length(pair, k):
+    """A long and a short prompt whose budgets end exactly at the context length (512): ragged
+    acceptance lets the short row hold k high while the long row is near its end, and the
+    long row's block used to run past position 511 ("position 512 is beyond the model's context
+    length") after the up-front check had passed. k is now capped by each row's room."""
+    target, draft = pair
+    context = target.cfg.max_position_embeddings
+    g = torch.Generator().manual_seed(11)
+    for trial in range(4):
+        long_prompt = torch.randint(0, 97, (440 - trial,), generator=g).tolist()
+        prompts = [long_prompt, PROMPTS[trial % len(PROMPTS)]]
+        max_new = context - len(long_prompt)
+        plain = generate(target, prompts, GREEDY, max_new)
+        spec = _spec(target, draft, prompts, GREEDY, max_new, k)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+        assert [r.finish_reason for r in spec] == ["length", "length"]
+        assert len(spec[0].token_ids) == max_new

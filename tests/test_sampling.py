@@ -48,3 +48,31 @@ def test_sample_uses_explicit_generator():
 def test_bad_params_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [float("nan")] * 3, [0.5, float("nan"), 0.5], [0.5, float("inf"), 0.5]])
+def test_sample_refuses_a_row_without_mass(row):
+    """It used to return id V-1 for such rows, which hid NaNs from every test downstream."""
+    probs = torch.tensor([[0.2, 0.3, 0.5], row])
+    with pytest.raises(ValueError, match="all zero, NaN or infinite"):
+        sample(probs, torch.Generator().manual_seed(0))
+
+
+def test_sample_never_returns_a_zero_probability_id():
+    probs = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1e-30]]).expand(5000, 2, 4)
+    ids = sample(probs, torch.Generator().manual_seed(0))
+    assert (ids[:, 0] == 1).all() and (ids[:, 1] == 3).all()
+
+
+def test_tiny_temperature_tends_to_greedy_without_nan():
+    logits = torch.tensor([[1.0, 3.0, 2.0, -50.0], [0.5, 0.5, -1.0, 0.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=1e-38))
+    assert torch.isfinite(probs).all()
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert probs[1].tolist() == [0.5, 0.5, 0.0, 0.0]  # a tie shares the mass
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), 1e300, -0.1])
+def test_temperature_out_of_range_is_rejected(temperature):
+    with pytest.raises(ValueError, match="temperature must be in"):
+        SamplingParams(temperature=temperature)

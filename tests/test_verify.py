@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import verify_chain
+from specdec.sampling import sample
 from specdec.verify import acceptance_probability, residual_distribution
 
 
@@ -106,7 +107,15 @@ def test_p_equal_q_with_rounding_never_produces_nan():
     draft = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).view(64, 2)
     result = verify_chain(p, q, draft, g)
     assert ((result.tokens >= -1) & (result.tokens < vocab)).all()
-    assert (result.tokens[torch.arange(64), result.num_accepted] >= 0).all()
+    last = result.tokens[torch.arange(64), result.num_accepted]
+    assert (last >= 0).all()
+    assert (p[torch.arange(64), result.num_accepted, last] > 0).all()
+    # p == q exactly: the residual has zero mass everywhere. With the fallback it is p; without
+    # it (tolerance below 0) it is 0/0 = NaN, and sampling must fail loudly, not return an id:
+    # this is what makes the test above able to fail.
+    assert torch.equal(residual_distribution(p, p), p)
+    with pytest.raises(ValueError, match="NaN"):
+        sample(residual_distribution(p, p, tolerance=-1.0), g)
 
 
 def _good_inputs(batch=2, k=3, vocab=5):

@@ -10,6 +10,8 @@ import sys
 import torch
 
 from specdec.proposers import PROPOSERS
+from specdec.engine import MAX_SEED
+from specdec.sampling import MAX_TEMPERATURE
 
 
 def _add_toy(sub: argparse._SubParsersAction) -> None:
@@ -120,25 +122,26 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="where drafts come from: a draft model (default when --draft is given), n-gram "
                    "prompt lookup, the target's own first layers, or hybrid (n-gram when it matches, "
                    "else the draft model / early exit). Without --draft or --proposer: plain decoding")
-    p.add_argument("--k", type=_k_value, default="auto",
-                   help="draft tokens per step, or 'auto' (default): chosen each step from measured costs "
-                   "and acceptance, 0 = no speculation when drafts do not pay")
-    p.add_argument("--k-max", type=int, default=8, help="largest k for --k auto (default: %(default)s)")
-    p.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram to match (default: %(default)s)")
-    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram to match (default: %(default)s)")
-    p.add_argument("--exit-layer", type=int, default=None, help="early-exit draft depth (default: a quarter of the layers)")
+    p.add_argument("--k", type=_k_value, default=None,
+                   help="draft tokens per step, or 'auto' (default with a proposer): chosen each step from "
+                   "measured costs and acceptance, 0 = no speculation when drafts do not pay")
+    p.add_argument("--k-max", type=_int_at_least(1), default=None, help="largest k for --k auto (default: 8)")
+    p.add_argument("--ngram-min", type=_int_at_least(1), default=None, help="n-gram/hybrid: shortest n-gram to match (default: 2)")
+    p.add_argument("--ngram-max", type=_int_at_least(1), default=None, help="n-gram/hybrid: longest n-gram to match (default: 4)")
+    p.add_argument("--exit-layer", type=_int_at_least(1), default=None,
+                   help="early-exit (or hybrid without --draft) draft depth (default: a quarter of the layers)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch; '-' reads stdin")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default); at most {MAX_TEMPERATURE:g}")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default: off)")
+    p.add_argument("--seed", type=_seed_value, default=0, help=f"random seed in [0, {MAX_SEED}] (default: %(default)s)")
     p.add_argument("--dtype", choices=["int8", "bfloat16", "float32"], default="int8",
                    help="weights/compute dtype (default: %(default)s, the fastest here; see docs/BENCHMARKS.md)")
-    p.add_argument("--draft-dtype", choices=["int8", "bfloat16", "float32"], default=None, help="default: --dtype")
+    p.add_argument("--draft-dtype", choices=["int8", "bfloat16", "float32"], default=None, help="with --draft (default: --dtype)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the text")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, metrics)")
     p.set_defaults(func=_run_generate)
@@ -156,24 +159,85 @@ def _k_value(text: str):
     return value
 
 
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _seed_value(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_SEED}, got {value}")
+    return value
+
+
+def _check_generate_options(args: argparse.Namespace) -> str | None:
+    """Reject options that would be silently ignored, before anything is loaded; returns the
+    proposer (None: plain decoding)."""
+    proposer = args.proposer or ("draft" if args.draft else None)
+    early_exit = proposer == "early-exit" or (proposer == "hybrid" and not args.draft)
+    ignored = [
+        ("--k", args.k is not None and proposer is None, "a proposer (--draft or --proposer)"),
+        ("--k-max", args.k_max is not None and args.k not in (None, "auto"), "--k auto"),
+        ("--system", args.system is not None and not args.chat, "--chat"),
+        ("--draft-dtype", args.draft_dtype is not None and not args.draft, "--draft"),
+        ("--exit-layer", args.exit_layer is not None and not early_exit, "--proposer early-exit (or hybrid without --draft)"),
+        ("--ngram-min/--ngram-max", (args.ngram_min, args.ngram_max) != (None, None) and proposer not in ("ngram", "hybrid"),
+         "--proposer ngram or hybrid"),
+    ]
+    for flag, unused, needs in ignored:
+        if unused:
+            raise UsageError(f"{flag} has no effect without {needs}")
+    if (args.ngram_min or 2) > (args.ngram_max or 4):
+        raise UsageError(f"--ngram-min ({args.ngram_min or 2}) must be <= --ngram-max ({args.ngram_max or 4})")
+    return proposer
+
+
+def _read_prompts(prompts: list[str]) -> list[str]:
+    """Prompt texts, '-' read from stdin; both must be valid UTF-8."""
+    texts = []
+    for p in prompts:
+        if p == "-":
+            if sys.stdin is None or sys.stdin.closed:
+                raise UsageError("--prompt -: standard input is closed")
+            try:
+                p = sys.stdin.buffer.read().decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"--prompt -: standard input is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        else:
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
+                raise UsageError("--prompt is not valid UTF-8") from None
+        texts.append(p)
+    return texts
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from specdec.api import TextGenerator
     from specdec.sampling import SamplingParams
 
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be >= 1")
+    proposer = _check_generate_options(args)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
-    texts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
+    texts = _read_prompts(args.prompt)
+    k = (args.k if args.k is not None else "auto") if proposer else 0
     gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype)
     prompts = [gen.encode(t, args.chat, args.system) for t in texts]
     stream = None
     if not args.json and len(prompts) == 1:
         def stream(row: int, text: str) -> None:
             print(text, end="", flush=True)
-    proposer = args.proposer or ("draft" if args.draft else None)
-    results = gen.generate(prompts, params, args.max_new_tokens, k=args.k if proposer else 0, seed=args.seed,
-                           stop=args.stop, on_text=stream, proposer=proposer, k_max=args.k_max,
-                           ngram=(args.ngram_min, args.ngram_max), exit_layer=args.exit_layer)
+    results = gen.generate(prompts, params, args.max_new_tokens, k=k, seed=args.seed,
+                           stop=args.stop, on_text=stream, proposer=proposer, k_max=args.k_max or 8,
+                           ngram=(args.ngram_min or 2, args.ngram_max or 4), exit_layer=args.exit_layer)
     if args.json:
         def one(r):
             return {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
@@ -181,7 +245,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         out = one(results[0]) if len(results) == 1 else {"choices": [one(r) for r in results]}
         out["metrics"] = results[0].batch_metrics.to_dict()
         out["config"] = {"target": gen.target.name, "draft": gen.draft.name if gen.draft else None,
-                         "proposer": proposer, "k": args.k if proposer else 0, "dtype": args.dtype, "temperature": args.temperature,
+                         "proposer": proposer, "k": k, "dtype": args.dtype, "temperature": args.temperature,
                          "seed": args.seed}
         print(json.dumps(out))
         return 0
@@ -190,18 +254,18 @@ def _run_generate(args: argparse.Namespace) -> int:
             print(f"--- [{i}] ---\n{r.text}")
     else:
         print()
-    print(_summary(results[0].batch_metrics.to_dict(), gen, args, proposer), file=sys.stderr)
+    print(_summary(results[0].batch_metrics.to_dict(), gen, args.dtype, proposer, k), file=sys.stderr)
     return 0
 
 
-def _summary(m: dict, gen, args, proposer) -> str:
+def _summary(m: dict, gen, dtype: str, proposer: str | None, k) -> str:
     acc = m["acceptance"]
     how = " | plain decoding"
     if proposer:
-        how = f" | proposer {proposer}" + (f" ({gen.draft.name})" if proposer in ("draft", "hybrid") and gen.draft else "") + f" k={args.k}"
+        how = f" | proposer {proposer}" + (f" ({gen.draft.name})" if proposer in ("draft", "hybrid") and gen.draft else "") + f" k={k}"
     lines = [
         "",
-        f"target {gen.target.name}{how} | {args.dtype}",
+        f"target {gen.target.name}{how} | {dtype}",
         f"  tokens {m['generated_tokens']:>6}   throughput {m['throughput_tok_s']:7.2f} tok/s   TTFT {m['ttft_s'] * 1e3:8.1f} ms   TPOT {m['tpot_s'] * 1e3:7.1f} ms",
         f"  target calls/token {m['target_calls_per_token']:.3f}   tokens/call {m['tokens_per_call']:.2f}",
     ]
@@ -317,14 +381,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(ValueError):
+    """Options that contradict each other or would be silently ignored."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every failure is one line on stderr and a non-zero exit status: 2 for bad
+    input, 1 for a failure while running, 130 for Ctrl-C (what was streamed stays), 141 when
+    stdout is closed early. ``SPECDEC_DEBUG=1`` shows the traceback of an unexpected error."""
+    import os
+
+    from specdec.models.cache import CacheError, brief
+    from specdec.models.loading import ModelLoadError
+    from specdec.models.registry import InstallError
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    name = f"specdec {args.command}"
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"specdec {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): say nothing more on stdout, not even at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"{name}: output closed early (broken pipe)", file=sys.stderr)
+        return 141
+    except (ModelLoadError, CacheError, InstallError, OSError) as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\n{name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: one line, the traceback on request
+        if os.environ.get("SPECDEC_DEBUG"):
+            raise
+        print(f"{name}: internal error: {brief(exc)} (set SPECDEC_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

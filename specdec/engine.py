@@ -27,6 +27,8 @@ from specdec.runtime.model import Transformer
 from specdec.sampling import SamplingParams, probs_per_row
 from specdec.verify import verify_chain
 
+MAX_SEED = 2**63 - 2  # the draft's generator gets seed + 1: both must fit a signed 64-bit integer
+
 
 @dataclass
 class RowResult:
@@ -84,6 +86,8 @@ def generate(
         raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, {MAX_SEED}], got {seed}")
     if proposer is None:
         k = 0
     row_params = params if isinstance(params, list) else [params] * batch

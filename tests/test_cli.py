@@ -1,0 +1,160 @@
+"""The CLI with bad input: every case is one readable line on stderr and a non-zero exit status
+(or correct behaviour), never a traceback, never an option silently ignored."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+
+from specdec.cli import main
+from tiny_models import hf_tiny, save_hf_dir
+
+MISSING = "/nonexistent/model"  # options must be rejected before any model is looked for
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_hf_dir(hf_tiny("qwen2"), tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's own errors (a usage line, then the error)
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--temperature", "inf"], "temperature must be in"),
+        (["--temperature", "nan"], "temperature must be in"),
+        (["--temperature", "1e300"], "temperature must be in"),
+        (["--temperature", "-1"], "temperature must be in"),
+        (["--top-p", "0"], "top_p must be in"),
+        (["--top-k", "-3"], "top_k must be"),
+        (["--min-p", "2"], "min_p must be in"),
+        (["--k", "5"], "--k has no effect without a proposer"),
+        (["--system", "be brief"], "--system has no effect without --chat"),
+        (["--draft-dtype", "float32"], "--draft-dtype has no effect without --draft"),
+        (["--exit-layer", "2"], "--exit-layer has no effect without --proposer early-exit"),
+        (["--proposer", "draft", "--exit-layer", "2"], "--exit-layer has no effect"),
+        (["--ngram-min", "3"], "--ngram-min/--ngram-max has no effect"),
+        (["--proposer", "ngram", "--ngram-min", "5", "--ngram-max", "3"], "must be <= --ngram-max"),
+        (["--proposer", "ngram", "--k", "3", "--k-max", "4"], "--k-max has no effect without --k auto"),
+        (["--prompt", "\udcff\udcfe"], "not valid UTF-8"),
+    ],
+)
+def test_bad_options_fail_in_one_line_before_loading(capsys, extra, message):
+    code, out, err = _run(capsys, "generate", "--target", MISSING, "--prompt", "hi", *extra)
+    assert code == 2 and out == ""
+    assert message in _one_line(err)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--seed", str(2**64 - 1)], ["--seed", "-1"], ["--max-new-tokens", "0"], ["--k", "-1"], ["--k", "x"],
+     ["--exit-layer", "0"], ["--k-max", "0"]],
+)
+def test_out_of_range_numbers_are_argparse_errors(capsys, extra):
+    code, out, err = _run(capsys, "generate", "--target", MISSING, "--prompt", "hi", *extra)
+    assert code == 2 and out == ""
+    assert "error: argument" in err
+
+
+def test_stdin_closed_or_not_utf8(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", None)
+    code, _, err = _run(capsys, "generate", "--target", MISSING, "--prompt", "-")
+    assert code == 2 and "standard input is closed" in _one_line(err)
+
+    class Stdin:
+        closed = False
+        buffer = io.BytesIO(b"def f(\xff\xfe):")
+
+    monkeypatch.setattr("sys.stdin", Stdin())
+    code, _, err = _run(capsys, "generate", "--target", MISSING, "--prompt", "-")
+    assert code == 2 and "not valid UTF-8" in _one_line(err)
+
+
+def test_missing_model_and_damaged_gguf(capsys, tmp_path):
+    code, _, err = _run(capsys, "generate", "--target", MISSING, "--prompt", "hi")
+    assert code == 2 and "neither a known model" in _one_line(err)
+    gguf = tmp_path / "cut.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 7)  # a header cut short
+    code, out, err = _run(capsys, "generate", "--target", str(gguf), "--prompt", "hi")
+    assert code == 1 and out == ""
+    assert "damaged or not a supported GGUF" in err.splitlines()[-1]
+
+
+def test_tiny_temperature_is_greedy_and_json_is_valid(capsys, model_dir):
+    base = ["generate", "--target", model_dir, "--prompt", "abc de", "--max-new-tokens", "8", "--json"]
+    code, out, _ = _run(capsys, *base)
+    greedy = json.loads(out)
+    code2, out2, _ = _run(capsys, *base, "--temperature", "1e-38")
+    tiny = json.loads(out2)
+    assert code == code2 == 0
+    assert tiny["token_ids"] == greedy["token_ids"]
+    assert math.isfinite(tiny["config"]["temperature"])
+
+
+def test_ctrl_c_keeps_the_streamed_text_and_exits_130(capsys, model_dir, monkeypatch):
+    from specdec.api import TextGenerator
+
+    def interrupted(self, prompts, params, max_new_tokens, **kw):
+        kw["on_text"](0, "partial answer")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(TextGenerator, "generate", interrupted)
+    code, out, err = _run(capsys, "generate", "--target", model_dir, "--prompt", "abc")
+    assert code == 130
+    assert out == "partial answer"
+    assert err.splitlines()[-1] == "specdec generate: interrupted"
+
+
+def test_stdout_closed_early_is_one_line(capsys, model_dir, monkeypatch, tmp_path):
+    sink = open(tmp_path / "sink", "w")
+
+    class ClosedPipe(io.TextIOBase):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            return sink.fileno()
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    try:
+        code = main(["generate", "--target", model_dir, "--prompt", "abc", "--max-new-tokens", "4"])
+    finally:
+        sink.close()
+    err = capsys.readouterr().err
+    assert code == 141
+    assert "Traceback" not in err and "broken pipe" in err.splitlines()[-1]
+
+
+def test_an_unexpected_error_is_one_line_with_a_hint(capsys, model_dir, monkeypatch):
+    from specdec.api import TextGenerator
+
+    def broken(self, *a, **kw):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(TextGenerator, "generate", broken)
+    code, _, err = _run(capsys, "generate", "--target", model_dir, "--prompt", "abc", "--json")
+    assert code == 1
+    assert "internal error: ZeroDivisionError: boom" in err.splitlines()[-1]

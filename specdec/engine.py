@@ -25,7 +25,7 @@ from specdec.metrics import GenerationMetrics
 from specdec.proposers.base import Proposer
 from specdec.runtime.model import Transformer
 from specdec.sampling import SamplingParams, probs_per_row
-from specdec.verify import verify_chain
+from specdec.verify import ChainVerification, verify_chain
 
 MAX_SEED = 2**63 - 2  # the draft's generator gets seed + 1: both must fit a signed 64-bit integer
 
@@ -67,12 +67,16 @@ def generate(
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
     stop_checker: StopChecker | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
+    verifier: Callable[..., ChainVerification] = verify_chain,
 ) -> list[RowResult]:
     """Generate up to ``max_new_tokens`` per prompt; exact target sampling whatever the proposer.
 
     ``k`` is the number of draft tokens per step, or ``"auto"``: an :class:`AdaptiveK` controller
     (one per proposer source, see ``HybridProposer.next_source``) picks 0..``k_max`` each step
     from measured costs and acceptance.
+
+    ``verifier`` has :func:`~specdec.verify.verify_chain`'s signature; only exactness checks pass
+    another one (a deliberately wrong verifier as their negative control).
     """
     batch = len(prompts)
     if batch == 0:
@@ -114,7 +118,7 @@ def generate(
     metrics.target_calls += 1
     t = time.perf_counter()
     tm.prefill = t - start
-    first = verify_chain(_probs(logits, row_params, "target"), None, torch.zeros(batch, 0, dtype=torch.long), g_verify)
+    first = verifier(_probs(logits, row_params, "target"), None, torch.zeros(batch, 0, dtype=torch.long), g_verify)
     tm.sampling += time.perf_counter() - t
 
     last = first.tokens[:, 0].clone()  # [B'] committed tokens whose KV is not yet in the cache
@@ -188,7 +192,7 @@ def generate(
         metrics.target_calls += 1
         t2 = time.perf_counter()
         params_alive = [row_params[r] for r in alive]
-        result = verify_chain(_probs(logits, params_alive, "target"), draft_probs, draft_tokens, g_verify)
+        result = verifier(_probs(logits, params_alive, "target"), draft_probs, draft_tokens, g_verify)
         t3 = time.perf_counter()
         cache.truncate(before + 1 + result.num_accepted)  # roll back the rejected suffix
         last = result.tokens.gather(1, result.num_accepted.unsqueeze(1)).squeeze(1)

@@ -1,0 +1,66 @@
+"""``specdec verify`` and the library check behind it, on tiny random models.
+
+Power: the negative control (residual replaced by p) is rejected at alpha = 1e-3 in every run
+here, and an engine whose verifier is broken the same way is reported "NOT exact"."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import specdec.verify as verify_module
+from specdec.cli import main
+from specdec.exactness import exact_joint_law, verify_deployment
+from specdec.proposers import DraftModelProposer
+from specdec.sampling import SamplingParams
+from tiny_models import hf_tiny, ours, save_hf_dir
+
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = ours(hf_tiny("qwen2", seed=0), "int8")
+    draft = ours(hf_tiny("qwen2", seed=5, layers=1), "int8")  # unrelated: many rejections
+    return target, draft
+
+
+def _check(pair, **kw):
+    target, draft = pair
+    return verify_deployment(target, lambda capacity: DraftModelProposer(draft, capacity), "draft", PROMPTS,
+                             k=2, samples=1000, greedy_tokens=12, **kw)
+
+
+def test_exact_law_sums_to_one_over_top_k_cells(pair):
+    law = exact_joint_law(pair[0], PROMPTS[0], SamplingParams(temperature=0.8, top_k=3), 3)
+    assert len(law) == 27 and abs(sum(law.values()) - 1) < 1e-6  # fp32 conditionals
+
+
+def test_a_correct_engine_is_shown_exact_and_its_control_rejected(pair):
+    report = _check(pair)
+    assert report.greedy_identical == len(PROMPTS)
+    assert report.law.p_value >= report.alpha
+    assert report.law.drafted > 0 and report.law.accepted < report.law.drafted
+    assert report.negative_control.p_value < report.alpha
+    assert report.power_vs_control > 0.9
+    assert report.verdict == "exact"
+
+
+def test_a_broken_verifier_is_reported_not_exact(pair, monkeypatch):
+    monkeypatch.setattr(verify_module, "residual_distribution", lambda p, q, tolerance=1e-6: p)
+    report = _check(pair)
+    assert report.law.p_value < report.alpha
+    assert report.verdict == "NOT exact"
+
+
+def test_cli_verify_json_and_exit_code(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    target = save_hf_dir(hf_tiny("qwen2", seed=0), tmp_path / "target")
+    draft = save_hf_dir(hf_tiny("qwen2", seed=5, layers=1), tmp_path / "draft")
+    code = main(["verify", "--target", str(target), "--draft", str(draft), "--k", "2", "--samples", "600",
+                 "--prompt", "abc", "--prompt", "x = 1", "--greedy-tokens", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0, out
+    assert out["verdict"] == "exact" and out["greedy_identical"] == 2
+    assert main(["verify", "--target", str(target)]) == 2  # nothing to verify: a usage error

@@ -221,3 +221,29 @@ def test_notices_go_to_stderr_and_json_stays_json(home, tmp_path, capsys):
     assert code == 0, err
     assert "quantizing" in err  # the first use builds the int8 cache, and says so on stderr
     assert json.loads(out)["token_ids"]
+
+
+_SLOW_BUILDER = """
+import sys, time
+from pathlib import Path
+from specdec.models import cache
+
+def build(tmp):
+    tmp.write_bytes(b"half")
+    print("writing", flush=True)
+    time.sleep(60)
+
+cache.cached(Path(sys.argv[1]), build, lambda p: p.read_bytes(), "test entry")
+"""
+
+
+def test_kill_9_mid_write_then_the_next_run_heals(home, tmp_path):
+    target = tmp_path / "entry.bin"
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_BUILDER, str(target)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    proc.kill()  # SIGKILL while the temporary file is half written
+    proc.wait()
+    assert not target.exists() and len(list(tmp_path.glob("entry.bin.tmp-*"))) == 1
+    value = cache.cached(target, lambda tmp: tmp.write_bytes(b"whole"), lambda p: p.read_bytes(), "test entry")
+    assert value == b"whole"
+    assert list(tmp_path.glob("entry.bin.tmp-*")) == []

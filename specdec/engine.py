@@ -54,6 +54,32 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams], who: str) -> torc
     return probs_per_row(logits, params)
 
 
+def commit_tokens(res: RowResult, ids: list[int], eos_token_ids, max_new_tokens: int,
+                  stop_checker: Callable[[list[int]], "int | None"] | None) -> bool:
+    """Append a step's committed ``ids`` to one row, stopping at EOS (kept), at a stop sequence
+    (cut where the checker says) or at ``max_new_tokens``; returns whether the row goes on."""
+    for token in ids:
+        res.token_ids.append(token)
+        if token in eos_token_ids:
+            res.finish_reason = "eos"
+        elif stop_checker is not None:
+            keep = stop_checker(res.token_ids)
+            if keep is not None:
+                del res.token_ids[keep:]
+                res.finish_reason = "stop"
+        if res.finish_reason != "length" or len(res.token_ids) >= max_new_tokens:
+            return False
+    return True
+
+
+def rollback(cache, before: torch.Tensor, result: ChainVerification) -> torch.Tensor:
+    """Keep the KV of the fed token and the accepted drafts, drop the rejected suffix (O(1));
+    returns ``[B]`` the last committed token of each row (replacement or bonus), whose KV is
+    written at the next step."""
+    cache.truncate(before + 1 + result.num_accepted)  # before: [B] lengths before the block
+    return result.tokens.gather(1, result.num_accepted.unsqueeze(1)).squeeze(1)
+
+
 def generate(
     target: Transformer,
     prompts: list[list[int]],
@@ -128,23 +154,13 @@ def generate(
     def commit(row: int, ids: list[int]) -> bool:
         """Append ``ids`` to ``row``; returns whether the row is still going."""
         res = results[row]
-        for token in ids:
-            res.token_ids.append(token)
-            if token in eos_token_ids:
-                res.finish_reason = "eos"
-            elif stop_checker is not None:
-                keep = stop_checker(row, res.token_ids)
-                if keep is not None:
-                    del res.token_ids[keep:]
-                    res.finish_reason = "stop"
-            if res.finish_reason != "length" or len(res.token_ids) >= max_new_tokens:
-                break
+        going = commit_tokens(res, ids, eos_token_ids, max_new_tokens,
+                              None if stop_checker is None else lambda ids: stop_checker(row, ids))
         if on_tokens is not None:
             on_tokens(row, res.token_ids)
-        done = res.finish_reason != "length" or len(res.token_ids) >= max_new_tokens
-        if done:
+        if not going:
             res.metrics.timings.total = time.perf_counter() - start
-        return not done
+        return going
 
     if proposer is not None:
         t = time.perf_counter()
@@ -194,8 +210,7 @@ def generate(
         params_alive = [row_params[r] for r in alive]
         result = verifier(_probs(logits, params_alive, "target"), draft_probs, draft_tokens, g_verify)
         t3 = time.perf_counter()
-        cache.truncate(before + 1 + result.num_accepted)  # roll back the rejected suffix
-        last = result.tokens.gather(1, result.num_accepted.unsqueeze(1)).squeeze(1)
+        last = rollback(cache, before, result)
         t4 = time.perf_counter()
         if proposer is not None:
             proposer.observe(result.num_accepted)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specdec.sampling import SamplingParams, probs_from_logits, sample
+from specdec.sampling import MAX_TEMPERATURE, SamplingParams, greedy_one_hot, probs_from_logits, probs_per_row, sample
 
 
 def test_greedy_is_one_hot_with_ties_to_lowest_id():
@@ -76,3 +76,41 @@ def test_tiny_temperature_tends_to_greedy_without_nan():
 def test_temperature_out_of_range_is_rejected(temperature):
     with pytest.raises(ValueError, match="temperature must be in"):
         SamplingParams(temperature=temperature)
+
+
+def test_greedy_one_hot_over_the_last_dimension_and_its_dtype():
+    logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]], [[1.0, 1.0, 5.0], [0.0, 0.0, 0.0]]])  # [2, 2, 3]
+    out = greedy_one_hot(logits)
+    assert out.tolist() == [[[0, 1, 0], [1, 0, 0]], [[0, 0, 1], [1, 0, 0]]]
+    assert out.dtype == torch.float32
+    assert greedy_one_hot(logits.double()).dtype == torch.float64  # probabilities keep fp64
+    assert greedy_one_hot(logits, dtype=torch.float16).dtype == torch.float16
+    assert greedy_one_hot(logits.bfloat16()).dtype == torch.float32  # never below fp32 by default
+
+
+def test_probs_per_row_applies_each_rows_parameters():
+    logits = torch.randn(3, 2, 11, generator=torch.Generator().manual_seed(0))
+    rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.3)]
+    out = probs_per_row(logits, rows)
+    for b, params in enumerate(rows):
+        assert torch.equal(out[b], probs_from_logits(logits[b], params))
+    shared = SamplingParams(temperature=0.5, top_p=0.9)
+    assert torch.equal(probs_per_row(logits, [shared] * 3), probs_from_logits(logits, shared))
+    with pytest.raises(ValueError, match="2 sampling parameter sets for 3 rows"):
+        probs_per_row(logits, rows[:2])
+
+
+def test_parameter_boundaries_are_accepted():
+    SamplingParams(temperature=MAX_TEMPERATURE)
+    SamplingParams(temperature=0.0, top_k=0)  # 0 = off, like None
+    SamplingParams(top_p=1.0, min_p=1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(top_k=-1), "top_k must be >= 0 or None, got -1"), (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+     (dict(min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"), (dict(temperature=101.0), r"temperature must be in \[0, 100\]")],
+)
+def test_parameter_errors_name_the_parameter_and_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

@@ -156,3 +156,14 @@ def test_seeded_runs_are_reproducible():
     a = verify_chain(p, q, t, torch.Generator().manual_seed(9))
     b = verify_chain(p, q, t, torch.Generator().manual_seed(9))
     assert torch.equal(a.tokens, b.tokens)
+
+
+def test_residual_is_normalised_per_row_with_the_documented_fallback():
+    p = torch.tensor([[0.5, 0.5], [0.1, 0.9]], dtype=torch.float64)
+    q = torch.tensor([[0.75, 0.25], [0.1, 0.9]], dtype=torch.float64)
+    # row 0: residual [0, 0.25] has mass 0.25 -> normalised to [0, 1]; row 1: mass 0 -> p
+    out = residual_distribution(p, q)
+    assert out.tolist() == [[0.0, 1.0], [0.1, 0.9]]
+    # "falls back to p where the mass is <= tolerance": equality included
+    assert residual_distribution(p[:1], q[:1], tolerance=0.25).tolist() == [[0.5, 0.5]]
+    assert residual_distribution(p[:1], q[:1], tolerance=0.2499).tolist() == [[0.0, 1.0]]

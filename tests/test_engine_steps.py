@@ -1,0 +1,68 @@
+"""The engine's commit and rollback steps on their own (fast; these are what mutation testing of
+the engine runs against, next to the end-to-end tests in test_engine.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.engine import RowResult, commit_tokens, rollback
+from specdec.runtime.kv_cache import KVCache
+from specdec.verify import ChainVerification
+
+
+def _row(ids=()):
+    res = RowResult()
+    res.token_ids.extend(ids)
+    return res
+
+
+def test_commit_appends_every_token_and_goes_on():
+    res = _row([1])
+    assert commit_tokens(res, [2, 3, 4], set(), 10, None) is True
+    assert res.token_ids == [1, 2, 3, 4] and res.finish_reason == "length"
+
+
+def test_commit_stops_at_eos_and_keeps_it():
+    res = _row()
+    assert commit_tokens(res, [5, 9, 6, 7], {9}, 10, None) is False
+    assert res.token_ids == [5, 9] and res.finish_reason == "eos"
+
+
+def test_commit_stops_exactly_at_max_new_tokens():
+    res = _row([1, 2])
+    assert commit_tokens(res, [3, 4, 5], set(), 4, None) is False
+    assert res.token_ids == [1, 2, 3, 4] and res.finish_reason == "length"
+    res = _row([1, 2])
+    assert commit_tokens(res, [3], set(), 4, None) is True  # one short of the limit: goes on
+    assert res.token_ids == [1, 2, 3]
+
+
+def test_commit_cuts_at_a_stop_sequence():
+    def checker(ids):  # stop sequence [7, 8]: keep what precedes it
+        for end in range(2, len(ids) + 1):
+            if ids[end - 2 : end] == [7, 8]:
+                return end - 2
+        return None
+
+    res = _row([7])
+    assert commit_tokens(res, [8, 9, 10], set(), 10, checker) is False
+    assert res.token_ids == [] and res.finish_reason == "stop"
+    res = _row([1])
+    assert commit_tokens(res, [2, 7], set(), 10, checker) is True and res.token_ids == [1, 2, 7]
+
+
+def test_commit_eos_wins_over_the_stop_checker():
+    res = _row()
+    assert commit_tokens(res, [4, 9], {9}, 10, lambda ids: None) is False
+    assert res.finish_reason == "eos" and res.token_ids == [4, 9]
+
+
+def test_rollback_keeps_the_fed_token_and_the_accepted_drafts():
+    cache = KVCache(1, 3, 1, 2, 32, torch.float32)
+    before = torch.tensor([5, 7, 9])
+    cache.advance(before + 4)  # a block of k + 1 = 4 tokens was written
+    result = ChainVerification(num_accepted=torch.tensor([0, 3, 1]),
+                               tokens=torch.tensor([[11, -1, -1, -1], [1, 2, 3, 12], [4, 13, -1, -1]]))
+    last = rollback(cache, before, result)
+    assert cache.lengths.tolist() == [6, 11, 11]  # before + 1 + accepted
+    assert last.tolist() == [11, 12, 13]  # the replacement / bonus token of each row

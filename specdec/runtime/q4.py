@@ -1,0 +1,177 @@
+"""4-bit weights x per-group int8 activations: batch invariant and exactly reproducible.
+
+Format (what :func:`quantize_q4` produces and the on-disk cache stores). Weights are split into
+groups of 32 inputs; each group has its own fp16 ``scale`` and ``min`` and 4-bit codes ``q``, so
+``w = scale * q - min``. This is the grid of GGUF's Q4_K sub-blocks (32 weights, a scale and a
+min each), so re-quantizing a Q4_K tensor that was dequantized to fp32 finds its own codes again
+(up to the fp16 rounding of the scales); Q6_K/Q8_0 tensors lose precision (measured in
+docs/BENCHMARKS.md). About 0.625 bytes per weight, against 1 for int8.
+
+Product. Each activation row is quantized per group of 32 with its own scale ``d = max|x|/127``
+(so a row never depends on another row, and an outlier only coarsens its own group), the 4-bit x
+int8 dot products of a group are exact integers, and the groups are accumulated in a fixed order:
+
+    y[m, n] = sum_g  d[m,g] * (scale[n,g] * idot[m,n,g] - min[n,g] * isum[m,g])     (fp32, g = 0, 1, ...)
+
+``isum`` is the sum of the row's int8 codes in group g (it carries the ``min`` term). The C++
+kernel (``kernels/q4.cpp``, AVX2, compiled once per machine with the system's compiler) performs
+exactly these fp32 operations in this order for every output element, whatever the number of rows
+or threads; :func:`reference_linear` is the same computation in plain torch, and the two are
+tested to be bit-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+GROUP = 32  # inputs per quantization group
+BLOCK = 8  # output channels per kernel block (the layout groups them)
+
+_SOURCE = Path(__file__).with_name("kernels") / "q4.cpp"
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math"]
+_kernel = None
+
+
+def supported(in_features: int) -> bool:
+    return in_features % GROUP == 0
+
+
+def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """``weight`` ``[N, K]`` (K a multiple of 32) -> the tensors of a :class:`Q4Linear`:
+    ``qweight`` ``[N8/8, G, 128]`` uint8 (see :func:`_pack`), ``scales``/``mins`` ``[N8/8, G, 8]`` fp16 bits (int16),
+    ``out_features`` and optionally ``bias``; N is padded to N8, a multiple of 8, with zero rows.
+
+    Asymmetric per group: ``scale = (max - min) / 15``, ``min = -min(w)``, both rounded to fp16
+    first; the codes are then chosen for the rounded values, ``q = round((w + min) / scale)``.
+    """
+    n, k = weight.shape
+    if not supported(k):
+        raise ValueError(f"4-bit layers need in_features divisible by {GROUP}, got {k}")
+    w = weight.float()
+    n8 = -(-n // BLOCK) * BLOCK
+    if n8 != n:
+        w = torch.cat([w, w.new_zeros(n8 - n, k)])
+    g = k // GROUP
+    groups = w.view(n8, g, GROUP)  # [N8, G, 32]
+    lo, hi = groups.amin(-1), groups.amax(-1)  # [N8, G]
+    scale = ((hi - lo) / 15.0).half()
+    minimum = (-lo).half()
+    s32, m32 = scale.float().unsqueeze(-1), minimum.float().unsqueeze(-1)
+    safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
+    q = torch.where(s32 > 0, torch.round((groups + m32) / safe), torch.zeros_like(groups)).clamp_(0, 15)
+    q = q.to(torch.uint8).view(n8 // BLOCK, BLOCK, g, GROUP).transpose(1, 2)  # [NB, G, 8, 32]
+    state = {
+        "qweight": _pack(q),  # [NB, G, 128]
+        "scales": scale.view(n8 // BLOCK, BLOCK, g).transpose(1, 2).contiguous().view(torch.int16),
+        "mins": minimum.view(n8 // BLOCK, BLOCK, g).transpose(1, 2).contiguous().view(torch.int16),
+        "out_features": torch.tensor(n),
+    }
+    if bias is not None:
+        state["bias"] = torch.cat([bias.float(), bias.new_zeros(n8 - n).float()])
+    return state
+
+
+def _pack(q: torch.Tensor) -> torch.Tensor:
+    """Codes ``[NB, G, 8, 32]`` (0..15) -> the kernel's bytes ``[NB, G, 128]``: byte ``32r + 4o + t``
+    holds input ``4r + t`` of output ``o`` in its low nibble and input ``16 + 4r + t`` in its high
+    nibble (r, t = 0..3), so each 32-bit lane of the kernel's products belongs to one output."""
+    nb, g = q.shape[:2]
+    lo, hi = q[..., :16].reshape(nb, g, BLOCK, 4, 4), q[..., 16:].reshape(nb, g, BLOCK, 4, 4)  # [NB, G, o, r, t]
+    return (lo | (hi << 4)).permute(0, 1, 3, 2, 4).reshape(nb, g, 4 * BLOCK * 4).contiguous()
+
+
+def _codes(qweight: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_pack`: ``[NB, G, 128]`` bytes -> codes ``[NB, G, 8, 32]``."""
+    nb, g = qweight.shape[:2]
+    b = qweight.view(nb, g, 4, BLOCK, 4).permute(0, 1, 3, 2, 4).reshape(nb, g, BLOCK, 16)  # [NB, G, o, 16]
+    return torch.cat([b & 0x0F, b >> 4], -1)
+
+
+def dequantize_q4(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The ``[N, K]`` fp32 weights that a 4-bit state represents."""
+    qw = state["qweight"]  # [NB, G, 128]
+    nb, g = qw.shape[:2]
+    q = _codes(qw).float()  # [NB, G, 8, 32]
+    scale = state["scales"].view(torch.float16).float().unsqueeze(-1)  # [NB, G, 8, 1]
+    minimum = state["mins"].view(torch.float16).float().unsqueeze(-1)
+    w = (scale * q - minimum).transpose(1, 2).reshape(nb * BLOCK, g * GROUP)
+    return w[: int(state["out_features"])]
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` fp32 -> int8 codes ``[M, G, 32]``, scales ``d`` ``[M, G]`` and code sums
+    ``[M, G]`` (fp32), exactly as the kernel computes them."""
+    groups = x.float().view(x.shape[0], -1, GROUP)
+    d = groups.abs().amax(-1) / 127.0  # [M, G]
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    xq = torch.round(groups * inv.unsqueeze(-1)).clamp_(-127, 127)
+    return xq.to(torch.int8), d, xq.sum(-1)
+
+
+def reference_linear(x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The kernel's computation in plain torch (slow; the bit-exact reference for the tests)."""
+    xq, d, isum = quantize_activations(x)  # [M, G, 32], [M, G], [M, G]
+    qw = state["qweight"]
+    nb, g = qw.shape[:2]
+    q = _codes(qw).permute(0, 2, 1, 3).reshape(nb * BLOCK, g, GROUP)  # [N8, G, 32]
+    scale = state["scales"].view(torch.float16).float().permute(0, 2, 1).reshape(nb * BLOCK, g)  # [N8, G]
+    minimum = state["mins"].view(torch.float16).float().permute(0, 2, 1).reshape(nb * BLOCK, g)
+    idot = torch.einsum("mgj,ngj->mng", xq.long(), q.long()).float()  # [M, N8, G], exact integers
+    acc = torch.zeros(x.shape[0], nb * BLOCK)
+    for i in range(g):  # fixed order, one rounding per operation, as in the kernel
+        t = scale[:, i] * idot[:, :, i]
+        u = minimum[:, i] * isum[:, i : i + 1]
+        acc = acc + d[:, i : i + 1] * (t - u)
+    if "bias" in state:
+        acc = acc + state["bias"]
+    return acc[:, : int(state["out_features"])]
+
+
+def kernel():
+    """The compiled kernel module (built on first use, cached per machine under $SPECDEC_HOME)."""
+    global _kernel
+    if _kernel is None:
+        _kernel = _build()
+    return _kernel
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    from specdec.models import cache
+
+    if not torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        raise RuntimeError("the 4-bit kernel needs a CPU with AVX2; use dtype int8")
+    source = _SOURCE.read_bytes() + _SOURCE.with_name("q4_blocks.h").read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    build_dir = cache.home() / "kernels" / f"q4-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with cache.build_lock(build_dir):
+        if not any(build_dir.glob("*.so")):
+            cache.notice(f"compiling the 4-bit kernel once ({build_dir})")
+        return load(name=f"specdec_q4_{key}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+                    build_directory=str(build_dir), verbose=False)
+
+
+class Q4Linear(torch.nn.Module):
+    """A linear layer with 4-bit weights; see the module docstring."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.qweight, self.scales, self.mins = state["qweight"], state["scales"], state["mins"]
+        self.out_features = int(state["out_features"])
+        self.in_features = self.qweight.shape[1] * GROUP
+        bias = state.get("bias")
+        self.bias = bias if bias is not None else torch.empty(0)
+        self._k = kernel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()  # [M, K]
+        y = self._k.q4_linear(x2, self.qweight, self.scales, self.mins, self.bias)  # [M, N8]
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        return y.reshape(*shape[:-1], self.out_features)

@@ -102,9 +102,10 @@ def _row_three_ways(model):
     return one_by_one, alone, batched
 
 
+@pytest.mark.parametrize("dtype", ["int8", "q4"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_int8_logits_are_bit_identical_alone_in_a_block_and_in_a_batch(arch):
-    one_by_one, alone, batched = _row_three_ways(ours(hf_tiny(arch), "int8"))
+def test_quantized_logits_are_bit_identical_alone_in_a_block_and_in_a_batch(arch, dtype):
+    one_by_one, alone, batched = _row_three_ways(ours(hf_tiny(arch), dtype))
     assert torch.equal(one_by_one, alone)
     assert torch.equal(alone, batched)
 

@@ -25,7 +25,9 @@ from specdec.models.calibration import cached_calibration
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.model import Transformer
 
-QUANT_FORMAT = "row-int8-smooth-v1"  # bump when the quantized layout or recipe changes
+# Bump a format when its quantized layout or recipe changes (it is part of the cache key).
+QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-lanes-v1"}
+DTYPES = ("int8", "q4", "bfloat16", "float32")
 DONE = "done"  # marker written last into a converted directory: its files and their sizes
 
 
@@ -167,18 +169,18 @@ def _content_key(directory: Path, *extra: str) -> str:
     return cache.fingerprint([f for f in directory.iterdir() if f.is_file() and f.name != DONE], *extra)
 
 
-def _int8_model(directory: Path, cfg: ModelConfig, weights: "LazyWeights", tokenizer) -> Transformer:
-    """The int8 model of ``directory``, from its on-disk cache (built on first use)."""
+def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "LazyWeights", tokenizer) -> Transformer:
+    """The int8 or 4-bit model of ``directory``, from its on-disk cache (built on first use)."""
     from safetensors.torch import load_file, save_file
 
-    path_key = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:8]
-    target = registry.home() / "quantized" / f"{path_key}-{_content_key(directory, QUANT_FORMAT)}.safetensors"
+    path_key = hashlib.sha256(f"{directory.resolve()}:{dtype}".encode()).hexdigest()[:8]
+    target = registry.home() / "quantized" / f"{path_key}-{_content_key(directory, QUANT_FORMAT[dtype])}.safetensors"
     built: list[Transformer] = []
 
     def build(tmp: Path) -> None:
-        cache.notice(f"quantizing {directory.name} to int8 once (calibrate, quantize); cached at {target}")
-        act_absmax = cached_calibration(directory, _content_key(directory), cfg, weights, tokenizer)
-        model = Transformer(cfg, weights, "int8", act_absmax)
+        cache.notice(f"quantizing {directory.name} to {dtype} once; cached at {target}")
+        act_absmax = cached_calibration(directory, _content_key(directory), cfg, weights, tokenizer) if dtype == "int8" else None
+        model = Transformer(cfg, weights, dtype, act_absmax)
         save_file(model.quantized_state, str(tmp))
         model.quantized_state = {}
         built.append(model)
@@ -186,9 +188,9 @@ def _int8_model(directory: Path, cfg: ModelConfig, weights: "LazyWeights", token
             cache.remove(old)
 
     def read(path: Path) -> Transformer:
-        return built.pop() if built else Transformer(cfg, weights, "int8", quantized=load_file(str(path)))
+        return built.pop() if built else Transformer(cfg, weights, dtype, quantized=load_file(str(path)))
 
-    return cache.cached(target, build, read, "the int8 cache")
+    return cache.cached(target, build, read, f"the {dtype} cache")
 
 
 def _load_directory(directory: Path, dtype: str) -> tuple[Transformer, object]:
@@ -197,8 +199,8 @@ def _load_directory(directory: Path, dtype: str) -> tuple[Transformer, object]:
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(directory), local_files_only=True))
     weights = LazyWeights(directory)
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    if dtype == "int8":
-        return _int8_model(directory, cfg, weights, tokenizer), tokenizer
+    if dtype in QUANT_FORMAT:
+        return _quantized_model(directory, dtype, cfg, weights, tokenizer), tokenizer
     return Transformer(cfg, weights, dtype), tokenizer
 
 
@@ -208,8 +210,8 @@ def load(name_or_path: str, dtype: str = "int8", *, install: bool = False) -> Lo
 
     A converted directory that cannot be read is converted again once (saying so on stderr); a
     user's own directory that cannot be read is a :class:`ModelLoadError`."""
-    if dtype not in ("int8", "bfloat16", "float32"):
-        raise ValueError(f"dtype must be one of int8, bfloat16, float32; got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     start = time.perf_counter()
     directory, gguf = _resolve(name_or_path, install)
     try:

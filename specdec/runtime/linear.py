@@ -18,6 +18,9 @@ per-row scale set by them quantizes the other channels to a handful of levels. A
 ``s_c = sqrt(a_c / w_c)``; the layer computes ``(x / s) @ (W * s)^T``, which is the same product
 in exact arithmetic. The division is elementwise, so row independence is kept.
 
+``q4``: 4-bit weights in groups of 32 x per-group int8 activations, our own kernel; also
+batch invariant (see :mod:`specdec.runtime.q4`).
+
 ``float32`` / ``bfloat16``: ``F.linear`` in that dtype (summation order may differ by ~1e-6
 between call shapes).
 """
@@ -29,7 +32,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+from specdec.runtime import q4
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "q4": torch.uint8}
+QUANTIZED = ("int8", "q4")  # dtypes whose layers are built once and cached on disk
 
 _ANCHOR_COLUMNS = 8  # +1, -1, then zeros: keeps K a multiple of 8 when it was one
 
@@ -140,7 +146,7 @@ class LinearBuilder:
         self._to_pack.clear()
 
     def __call__(self, name: str, weight_fn, bias_fn=lambda: None) -> torch.nn.Module:
-        if self.dtype != "int8":
+        if self.dtype not in QUANTIZED:
             return FloatLinear(weight_fn(), bias_fn(), DTYPES[self.dtype])
         if self.quantized is not None:
             prefix = name + "."
@@ -148,8 +154,13 @@ class LinearBuilder:
             if "qweight" not in state:
                 raise KeyError(f"quantized cache has no layer {name!r}")
         else:
-            state = quantize_int8(weight_fn(), bias_fn(), self.act_absmax.get(name))
+            if self.dtype == "q4":
+                state = q4.quantize_q4(weight_fn(), bias_fn())
+            else:
+                state = quantize_int8(weight_fn(), bias_fn(), self.act_absmax.get(name))
             self.exported.update({f"{name}.{k}": v for k, v in state.items()})
+        if self.dtype == "q4":
+            return q4.Q4Linear(state)
         layer = RowInt8Linear(state)
         self._to_pack.append(layer)
         return layer

@@ -114,3 +114,69 @@ def test_parameter_boundaries_are_accepted():
 def test_parameter_errors_name_the_parameter_and_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+# --- properties pinned down by mutation testing (each kills mutants that the tests above missed) ---
+
+
+def test_zero_dim_logits_are_rejected_with_the_message():
+    with pytest.raises(ValueError, match=r"^logits must have at least one dimension \(the vocabulary\)$"):
+        probs_from_logits(torch.tensor(1.0), SamplingParams())
+
+
+def test_probabilities_are_at_least_fp32_whatever_the_logits():
+    assert probs_from_logits(torch.zeros(2, 5, dtype=torch.bfloat16), SamplingParams(0.7)).dtype == torch.float32
+    assert probs_from_logits(torch.zeros(2, 5, dtype=torch.float64), SamplingParams(0.7)).dtype == torch.float64
+
+
+def test_each_row_is_shifted_by_its_own_max():
+    """A row far below another row's max must not underflow to zeros (or NaN)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0], [-1000.0, -999.0, -998.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=1.0))
+    assert torch.allclose(probs[0], probs[1]) and torch.allclose(probs[0], torch.softmax(logits[0], -1))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p_with_ties_to_the_lowest_id():
+    probs = probs_from_logits(torch.zeros(1, 4), SamplingParams(temperature=1.0, top_p=0.5))
+    assert probs.tolist() == [[0.5, 0.5, 0.0, 0.0]]  # {0, 1} reaches exactly 0.5: no third token
+
+
+def test_top_p_one_keeps_tiny_tokens():
+    probs = probs_from_logits(torch.tensor([[0.0, 0.0, -80.0]]), SamplingParams(temperature=1.0, top_p=1.0))
+    assert probs[0, 2] > 0  # the mass before it is already 1.0 after rounding; it must stay
+
+
+def test_min_p_uses_each_rows_max_and_keeps_the_max_at_one():
+    logits = torch.tensor([[0.0, -1.0, -5.0], [-10.0, -11.0, -15.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, min_p=0.2))
+    assert torch.equal(probs[0], probs[1])
+    assert probs[0, 2] == 0 and probs[0, 1] > 0
+    top = probs_from_logits(logits, SamplingParams(temperature=1.0, min_p=1.0))
+    assert top.tolist() == [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_probs_per_row_single_row():
+    logits = torch.randn(1, 2, 7, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=0.9, top_k=2)
+    assert torch.equal(probs_per_row(logits, [params]), probs_from_logits(logits, params))
+
+
+def test_sample_is_inverse_cdf_with_one_fp64_uniform_per_row():
+    """The contract verify_chain's docstring relies on: one float64 uniform per row from the
+    generator, and the cumulative sum in float64 (fp32 would shift the id on a large vocabulary)."""
+    vocab = 100_000
+    probs = torch.rand(6, vocab, generator=torch.Generator().manual_seed(0))
+    probs[:, :10] = 0.0
+    probs = (probs / probs.sum(-1, keepdim=True)).float()
+    for seed in range(5):
+        ids = sample(probs, torch.Generator().manual_seed(seed))
+        u = torch.rand(6, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        cdf = probs.double().cumsum(-1)
+        expected = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+        assert torch.equal(ids, expected)
+        assert (ids >= 10).all()
+
+
+def test_sample_error_message():
+    with pytest.raises(ValueError, match=r"^cannot sample from a row whose probabilities are all zero, NaN or infinite$"):
+        sample(torch.zeros(1, 3), None)

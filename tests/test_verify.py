@@ -167,3 +167,36 @@ def test_residual_is_normalised_per_row_with_the_documented_fallback():
     # "falls back to p where the mass is <= tolerance": equality included
     assert residual_distribution(p[:1], q[:1], tolerance=0.25).tolist() == [[0.5, 0.5]]
     assert residual_distribution(p[:1], q[:1], tolerance=0.2499).tolist() == [[0.0, 1.0]]
+
+
+# --- properties pinned down by mutation testing ---
+
+
+def test_sum_tolerance_per_dtype_and_its_boundary():
+    def check(row, dtype):
+        p = torch.tensor([[row]], dtype=dtype)  # [1, 1, V]: k = 0
+        return verify_chain(p, None, torch.zeros(1, 0, dtype=torch.long), torch.Generator().manual_seed(0))
+
+    with pytest.raises(ValueError, match="must sum to 1"):
+        check([0.5, 0.501], torch.float64)  # off by 1e-3: far beyond fp64's 1e-6
+    check([1.0, 0.015625], torch.bfloat16)  # off by exactly 2 bf16 eps: the largest allowed
+    with pytest.raises(ValueError, match="must sum to 1"):
+        check([1.0, 0.0234375], torch.bfloat16)  # 3 eps
+    check([0.5, 0.5015], torch.float16)  # 1.5e-3 < 2 fp16 eps (1.95e-3)
+    with pytest.raises(ValueError, match="must sum to 1"):
+        check([0.5, 0.5025], torch.float16)  # 2.5e-3
+
+
+def test_vocabulary_of_one_and_of_zero():
+    one = verify_chain(torch.ones(2, 1, 1), None, torch.zeros(2, 0, dtype=torch.long), torch.Generator().manual_seed(0))
+    assert one.tokens.tolist() == [[0], [0]]
+    with pytest.raises(ValueError, match="^target_probs has an empty vocabulary dimension$"):
+        verify_chain(torch.ones(2, 1, 0), None, torch.zeros(2, 0, dtype=torch.long))
+
+
+def test_committed_returns_the_accepted_drafts_and_the_last_token():
+    from specdec.verify import ChainVerification
+
+    result = ChainVerification(torch.tensor([0, 2]), torch.tensor([[5, -1, -1], [1, 2, 7]]))
+    assert result.committed(0) == [5] and result.committed(1) == [1, 2, 7]
+    assert result.num_committed.tolist() == [1, 3]

@@ -31,7 +31,9 @@ GROUP = 32  # inputs per quantization group
 BLOCK = 8  # output channels per kernel block (the layout groups them)
 
 _SOURCE = Path(__file__).with_name("kernels") / "q4.cpp"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math"]
+# -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it the kernel runs on one
+# thread); the extension then shares torch's own libgomp.so.1, already loaded.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
 _kernel = None
 
 
@@ -153,7 +155,7 @@ def _build():
         if not any(build_dir.glob("*.so")):
             cache.notice(f"compiling the 4-bit kernel once ({build_dir})")
         return load(name=f"specdec_q4_{key}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-                    build_directory=str(build_dir), verbose=False)
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 
 class Q4Linear(torch.nn.Module):

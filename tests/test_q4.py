@@ -12,6 +12,8 @@ from specdec.runtime import q4
 from specdec.sampling import SamplingParams
 from tiny_models import hf_tiny, ours
 
+pytestmark = pytest.mark.skipif(not q4.available(), reason="the 4-bit kernel needs an AVX2 CPU")
+
 
 @pytest.mark.parametrize("n, k, rows, bias", [(8, 32, 1, False), (13, 64, 5, True), (200, 96, 17, True),
                                               (64, 1536, 9, False), (3, 32, 33, True)])

@@ -22,7 +22,9 @@ tested to be bit-identical.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -35,6 +37,11 @@ _SOURCE = Path(__file__).with_name("kernels") / "q4.cpp"
 # thread); the extension then shares torch's own libgomp.so.1, already loaded.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
 _kernel = None
+
+
+def available() -> bool:
+    """Whether this CPU can run the kernel (AVX2 or better)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def supported(in_features: int) -> bool:
@@ -145,17 +152,31 @@ def _build():
 
     from specdec.models import cache
 
-    if not torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    if not available():
         raise RuntimeError("the 4-bit kernel needs a CPU with AVX2; use dtype int8")
     source = _SOURCE.read_bytes() + _SOURCE.with_name("q4_blocks.h").read_bytes()
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     build_dir = cache.home() / "kernels" / f"q4-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    with cache.build_lock(build_dir):
+    with cache.build_lock(build_dir), _ninja_on_path():
         if not any(build_dir.glob("*.so")):
             cache.notice(f"compiling the 4-bit kernel once ({build_dir})")
         return load(name=f"specdec_q4_{key}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package installs it next
+    to the interpreter's packages, which is not on PATH when the venv is not activated."""
+    import ninja
+
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 class Q4Linear(torch.nn.Module):

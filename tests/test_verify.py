@@ -200,3 +200,68 @@ def test_committed_returns_the_accepted_drafts_and_the_last_token():
     result = ChainVerification(torch.tensor([0, 2]), torch.tensor([[5, -1, -1], [1, 2, 7]]))
     assert result.committed(0) == [5] and result.committed(1) == [1, 2, 7]
     assert result.num_committed.tolist() == [1, 3]
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p, q, t: (p.long(), q, t), r"^target_probs must be a floating-point tensor$"),
+        (lambda p, q, t: (p, q.long(), t), r"^draft_probs must be a floating-point tensor$"),
+        (lambda p, q, t: (p.index_fill(2, torch.tensor([0]), float("nan")), q, t), r"^target_probs contains NaN"),
+        (lambda p, q, t: (p, q.index_fill(2, torch.tensor([0]), -0.5), t), r"^draft_probs contains negative"),
+        (lambda p, q, t: (p, q, t[:, :2]), r"expected \(2, 3\)$"),
+        (lambda p, q, t: (p, q[:, :2], t), r"^draft_probs must be \[B, k, V\] = \(2, 3, 5\), got \(2, 2, 5\)$"),
+        (lambda p, q, t: (p, q, t.fill_(5)), r"^draft_tokens must be ids in \[0, 5\)$"),
+    ],
+)
+def test_error_messages_name_the_argument_and_the_expected_shape(mutate, message):
+    with pytest.raises(ValueError, match=message):
+        verify_chain(*mutate(*_good_inputs()))
+
+
+def test_a_zero_probability_draft_is_rejected_with_the_message():
+    p, q, t = _good_inputs()
+    q = q.clone()
+    q[:, :, 0] = 0.0
+    q[:, :, 1] += 0.2
+    with pytest.raises(ValueError, match=r"^a draft token has zero probability under draft_probs: it cannot have been sampled from them$"):
+        verify_chain(p, q, t)
+
+
+def test_acceptance_is_strict_so_p_zero_is_never_accepted_even_for_u_zero(monkeypatch):
+    """u ~ U[0, 1) can be exactly 0; accepting when u <= p/q would then accept a token the
+    target gives probability 0."""
+    p = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]])  # p(token 0) = 0 at the first position
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.zeros_like(real_rand(*a, **kw)))
+    result = verify_chain(p, None, torch.tensor([[0]]), torch.Generator().manual_seed(0))
+    assert result.num_accepted.tolist() == [0] and result.tokens.tolist() == [[1, -1]]
+
+
+def test_residual_tolerance_is_passed_through():
+    """With the default tolerance the replacement after rejecting a one-hot draft on token 0 is
+    always token 1 (the residual); a tolerance of 1 turns the residual into p (the negative
+    control of specdec verify) and token 0 comes back."""
+    p = torch.tensor([[[0.5, 0.5], [0.5, 0.5]]]).expand(2000, 2, 2)
+    drafts = torch.zeros(2000, 1, dtype=torch.long)
+    exact = verify_chain(p, None, drafts, torch.Generator().manual_seed(0))
+    rejected = exact.num_accepted == 0
+    assert (exact.tokens[rejected, 0] == 1).all()
+    wrong = verify_chain(p, None, drafts, torch.Generator().manual_seed(0), residual_tolerance=1.0)
+    assert (wrong.tokens[wrong.num_accepted == 0, 0] == 0).any()
+
+
+def test_low_precision_inputs_are_verified_in_fp32():
+    g = torch.Generator().manual_seed(4)
+
+    def dyadic(*shape):  # k/64 with every k >= 1 and sum 64: exact in bf16, sums to exactly 1
+        w = torch.rand(*shape, 6, generator=g) ** 3
+        w = (w / w.sum(-1, keepdim=True) * 58).floor() + 1
+        w[..., 0] += 64 - w.sum(-1)
+        return (w / 64).bfloat16()
+
+    p, q = dyadic(4000, 3), dyadic(4000, 2)
+    drafts = torch.multinomial(q.float().view(-1, 6), 1, generator=g).view(4000, 2)
+    low = verify_chain(p, q, drafts, torch.Generator().manual_seed(1))
+    high = verify_chain(p.float(), q.float(), drafts, torch.Generator().manual_seed(1))
+    assert torch.equal(low.tokens, high.tokens)

@@ -8,7 +8,9 @@ For a loaded target, a proposer, k and sampling parameters:
 (b) **Exact law at T > 0.** The joint law of the first ``depth`` generated tokens under top-k
     sampling is enumerated from the target's own conditionals (``top_k ** depth`` cells at most),
     then ``samples`` sequences are drawn through the real engine with the proposer, and Pearson's
-    chi-square compares the counts with the law (cells with expected count < 5 pooled).
+    chi-square compares the counts with the law (cells with expected count < 5 pooled). The first
+    token comes from the prefill, so each sample verifies one block of up to ``depth - 1``
+    drafts (acceptance, residual and bonus); (a) exercises the full ``k``.
 (c) **Negative control.** The same sampling with a deliberately wrong verifier (after a rejection
     it samples from ``p`` instead of the residual ``norm([p - q]+)``) must be rejected. Its
     p-value, and the Monte-Carlo power of the test against the law that wrong verifier produced,
@@ -196,6 +198,13 @@ def format_report(r: ExactnessReport) -> str:
         f"(Monte Carlo, {law.samples} samples, alpha={r.alpha:g})",
         f"  verdict: {r.verdict}  ({r.seconds:.0f} s)",
     ]
+    if r.verdict == "inconclusive":
+        rejected = law.drafted - law.accepted
+        lines.append(
+            f"  ({rejected} of {law.drafted} drafts were rejected: a wrong residual barely shows. Use a first "
+            "--prompt whose continuation the proposer often gets wrong, a higher --temperature, a larger "
+            "--top-k or more --samples.)"
+        )
     return "\n".join(lines)
 
 

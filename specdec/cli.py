@@ -312,10 +312,11 @@ def _run_profile(args: argparse.Namespace) -> int:
     from specdec.sampling import SamplingParams
 
     proposer = args.proposer or ("draft" if args.draft else "ngram")
+    params = SamplingParams(temperature=args.temperature)  # validated before loading
+    texts = _read_prompts(args.prompt or CODE_PROMPTS)
     gen = TextGenerator.load(args.target, args.draft, args.dtype)
-    texts = args.prompt or CODE_PROMPTS
     prompts = [gen.encode(t, chat=args.chat or not args.prompt) for t in texts]
-    result = profile(gen, prompts, proposer, SamplingParams(temperature=args.temperature), args.max_new_tokens,
+    result = profile(gen, prompts, proposer, params, args.max_new_tokens,
                      args.k_max, exit_layer=args.exit_layer)
     print(json.dumps(result) if args.json else format_profile(result))
     return 0

@@ -71,3 +71,21 @@ def test_q4_speculative_greedy_equals_plain():
     spec = generate(target, prompts, greedy, 30, proposer=DraftModelProposer(draft, 64), k=4)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert spec[0].metrics.acceptance.drafted > 0
+
+
+def test_every_instruction_set_gives_the_same_bits():
+    """AVX2, AVX-512 VNNI (256-bit) and AVX-512 (pairs of blocks) compute the same integers and
+    the same per-lane float operations: identical outputs (paths this CPU lacks fall back)."""
+    g = torch.Generator().manual_seed(9)
+    state = q4.quantize_q4(torch.randn(72, 256, generator=g), torch.randn(72, generator=g))  # 9 blocks: odd
+    x = torch.randn(18, 256, generator=g)
+    layer = q4.Q4Linear(state)
+    outputs = []
+    try:
+        for isa in (1, 2, 3):
+            q4.kernel().force_isa(isa)
+            outputs.append(layer(x))
+    finally:
+        q4.kernel().force_isa(0)
+    reference = q4.reference_linear(x, state)
+    assert all(torch.equal(out, reference) for out in outputs)

@@ -1,6 +1,7 @@
 """Runtime benchmark: our plain decoding vs transformers ``generate()``, and forward-cost scaling.
 
 Usage: ``python -m specdec.bench.runtime_bench [--target NAME] [--dtype int8] [--tokens 64] [--runs 3]``
+or ``python -m specdec.bench.runtime_bench --compare-dtypes int8,q4`` (our dtypes side by side).
 Prints a Markdown table and, with --out, writes the raw numbers as JSON.
 """
 
@@ -41,14 +42,70 @@ def forward_scaling(model, context: int = 200, sizes=(1, 2, 5, 9), repeats: int 
     return out
 
 
+def agreement_with_fp32(target: str, dtypes: list[str], prompts: list[str], positions: int = 48) -> dict[str, dict]:
+    """Teacher-forced quality: on fp32's own greedy continuation of each prompt, the fraction of
+    positions where each dtype's argmax equals fp32's, and the mean total-variation distance."""
+    ref = TextGenerator.load(target, dtype="float32")
+    seqs, ref_probs = [], []
+    for text in prompts:
+        prompt = ref.encode(text, chat=True)
+        cont = generate(ref.target.model, [prompt], SamplingParams(temperature=0.0), positions)[0].token_ids
+        ids = torch.tensor([prompt + cont])
+        m = ref.target.model
+        logits = m(ids, m.new_cache(1, ids.shape[1]))[0, len(prompt) - 1 : -1]  # predicts cont
+        seqs.append((ids, len(prompt)))
+        ref_probs.append(torch.softmax(logits.float(), -1))
+    del ref
+    out = {}
+    for dtype in dtypes:
+        m = TextGenerator.load(target, dtype=dtype).target.model
+        agree, tv, n = 0, 0.0, 0
+        for (ids, plen), p in zip(seqs, ref_probs):
+            q = torch.softmax(m(ids, m.new_cache(1, ids.shape[1]))[0, plen - 1 : -1].float(), -1)
+            agree += int((q.argmax(-1) == p.argmax(-1)).sum())
+            tv += float(0.5 * (q - p).abs().sum(-1).sum())
+            n += p.shape[0]
+        out[dtype] = {"argmax_agreement": agree / n, "mean_tv": tv / n, "positions": n}
+    return out
+
+
+def compare_dtypes(target: str, dtypes: list[str], tokens: int, runs: int) -> None:
+    """Plain greedy decoding and forward-cost scaling per dtype, side by side in one process."""
+    rows = {}
+    for dtype in dtypes:
+        gen = TextGenerator.load(target, dtype=dtype)
+        tps, tpot = [], []
+        for run in range(runs):
+            prompt = gen.encode(CODE_PROMPTS[run % len(CODE_PROMPTS)], chat=True)
+            t = time.perf_counter()
+            row = generate(gen.target.model, [prompt], SamplingParams(temperature=0.0), tokens)[0]
+            tps.append(tokens / (time.perf_counter() - t))
+            tpot.append(row.metrics.to_dict()["tpot_s"])
+        rows[dtype] = (statistics.median(tps), statistics.median(tpot), forward_scaling(gen.target.model))
+        del gen
+    quality = agreement_with_fp32(target, dtypes, CODE_PROMPTS[:2])
+    base = rows[dtypes[0]][0]
+    print(f"\n## {target}: {tokens} greedy tokens, median of {runs} prompts; forwards after a 200-token context\n")
+    print("| dtype | tok/s end to end | TPOT ms | vs " + dtypes[0] + " | 1 token ms | 5 tokens | 9 tokens "
+          "| argmax = fp32 | mean TV vs fp32 |\n|---|---|---|---|---|---|---|---|---|")
+    for dtype, (t, tp, sc) in rows.items():
+        q = quality[dtype]
+        print(f"| {dtype} | {t:.2f} | {tp * 1e3:.1f} | {t / base:.2f}x | {sc[1] * 1e3:.1f} | {sc[5] / sc[1]:.2f}x "
+              f"| {sc[9] / sc[1]:.2f}x | {q['argmax_agreement']:.1%} | {q['mean_tv']:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=registry.DEFAULT_TARGET)
-    ap.add_argument("--dtype", default="int8", choices=["int8", "float32", "bfloat16"])
+    ap.add_argument("--dtype", default="int8", choices=["int8", "q4", "float32", "bfloat16"])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=None, help="write JSON results here")
+    ap.add_argument("--compare-dtypes", default=None, help="e.g. int8,q4: our dtypes side by side (speed, scaling, quality vs fp32)")
     args = ap.parse_args()
+    if args.compare_dtypes:
+        compare_dtypes(args.target, args.compare_dtypes.split(","), args.tokens, args.runs)
+        return
 
     gen = TextGenerator.load(args.target, dtype=args.dtype)
     hf = load_hf(gen.target.source_dir, args.dtype)

@@ -64,3 +64,11 @@ def test_cli_verify_json_and_exit_code(tmp_path, monkeypatch, capsys):
     assert code == 0, out
     assert out["verdict"] == "exact" and out["greedy_identical"] == 2
     assert main(["verify", "--target", str(target)]) == 2  # nothing to verify: a usage error
+
+
+def test_power_of_the_chi_square_test():
+    from specdec.stats import chi_square_critical, power
+
+    assert abs(chi_square_critical(1, 0.05) - 3.8415) < 1e-3  # the textbook value
+    assert abs(power(10, 0.0, 0.01) - 0.01) < 0.002  # no effect: rejects at the level alpha
+    assert power(10, 30.0, 0.01) > power(10, 10.0, 0.01) > 0.2  # grows with the effect

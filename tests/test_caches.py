@@ -247,3 +247,15 @@ def test_kill_9_mid_write_then_the_next_run_heals(home, tmp_path):
     value = cache.cached(target, lambda tmp: tmp.write_bytes(b"whole"), lambda p: p.read_bytes(), "test entry")
     assert value == b"whole"
     assert list(tmp_path.glob("entry.bin.tmp-*")) == []
+
+
+def test_a_changed_gguf_is_converted_again_and_the_old_conversion_removed(home, tmp_path, monkeypatch):
+    calls: list[Path] = []
+    _fake_converter(monkeypatch, calls)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF one")
+    loading.load(str(gguf), "float32")
+    gguf.write_bytes(b"GGUF two, longer")  # new contents at the same path
+    loading.load(str(gguf), "float32")
+    assert len(calls) == 2
+    assert len([p for p in (home / "converted").iterdir() if p.is_dir()]) == 1

@@ -81,7 +81,13 @@ def _resolve(name_or_path: str, install: bool) -> tuple[Path, Path | None]:
         return convert_gguf(spec.gguf_path, out), spec.gguf_path
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, _gguf_dir_for(path)), path
+        out = convert_gguf(path, _gguf_dir_for(path))
+        prefix = out.name.rsplit("-", 1)[0]
+        for old in out.parent.glob(f"{prefix}-*"):  # conversions of this path's earlier contents
+            if old != out and old.is_dir():
+                with cache.build_lock(old):
+                    cache.remove(old)
+        return out, path
     if path.is_dir() and (path / "config.json").is_file():
         return path, None
     known = ", ".join(sorted(registry.MODELS) + sorted(registry.ALIASES))

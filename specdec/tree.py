@@ -1,0 +1,179 @@
+"""Candidate trees and exact multi-candidate verification (pure tensor math; no models).
+
+A tree hangs from the *root*, the last committed token. Node ``i`` has a candidate token
+``tokens[b, i]`` and a parent ``parents[b, i]`` (``-1``: the root; always ``< i``, so nodes are
+in topological order). Row 0 of ``target_probs`` is the target's distribution at the root and
+row ``i + 1`` the distribution after node ``i``; ``draft_probs`` likewise gives the distribution
+the children of the root / of node ``i`` were drawn from.
+
+Verification walks down from the root. At a node with current target distribution ``p``, its
+children are tried in index order; child ``x`` is accepted with probability
+``min(1, p(x) / q(x))``. After a rejection ``p`` becomes the residual ``norm([p - q]+)`` and the
+next sibling is tried. When a child is accepted the walk moves to it (its own row of
+``target_probs``); when every child is rejected, or the node is a leaf, one token is sampled from
+the current ``p`` (the residual, or the bonus at a leaf) and the walk stops.
+
+Why it is exact (SpecInfer's multi-step speculative sampling; Miao et al. 2024): with children
+drawn **independently from the same q** (with replacement), each try is a chain verification of
+one draft against the current ``p``: the accepted-or-residual mixture reproduces ``p`` exactly,
+and the residual is exactly the law of the target's token *given* that this candidate was not
+the one chosen. Induction over siblings, then over depth, gives the target's joint law. Children
+drawn **without replacement** (distinct tokens, as from top-k of a head or stochastic beam) are
+not independent: after rejecting ``x`` the next sibling was drawn from ``q`` with ``x`` removed,
+so ``q`` must be updated to ``norm(q with x zeroed)`` too (recursive rejection sampling; Yang et
+al. 2024). Using one rule for candidates drawn by the other biases the output; the tests show it.
+Deterministic candidates (``draft_probs=None``) are one-hot ``q``: a rejected token is simply
+removed from ``p``.
+
+Randomness: one uniform per node (``[B, N]``, drawn up front), used when that node is tried, then
+one uniform per row for the final token. A tree shaped like a path therefore consumes the
+generator exactly as :func:`specdec.verify.verify_chain` and gives bit-identical results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import sample
+from specdec.verify import _check_probs, acceptance_probability, residual_distribution
+
+__all__ = ["TreeVerification", "ancestor_mask", "depths", "verify_tree"]
+
+
+@dataclass(frozen=True)
+class TreeVerification:
+    """num_accepted ``[B]``: accepted nodes (0..depth). tokens ``[B, D+1]``: the accepted path's
+    tokens then the replacement or bonus token, ``-1`` padded. path ``[B, D]``: node indices of the
+    accepted path, ``-1`` padded. ``D`` is the deepest node's depth over the batch."""
+
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+    path: torch.Tensor
+
+    def committed(self, row: int) -> list[int]:
+        return self.tokens[row, : int(self.num_accepted[row]) + 1].tolist()
+
+
+def depths(parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` depth of each node (1 for children of the root), 0 for padding nodes."""
+    out = torch.zeros_like(parents)
+    for i in range(parents.shape[1]):
+        par = parents[:, i]
+        parent_depth = torch.where(par >= 0, out.gather(1, par.clamp(min=0).unsqueeze(1)).squeeze(1), 0)
+        out[:, i] = torch.where(tokens[:, i] >= 0, parent_depth + 1, 0)
+    return out
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """``[B, N, N]`` bool: ``mask[b, i, j]`` is True when node ``j`` is node ``i`` or one of its
+    ancestors (what node ``i`` may attend to inside the tree block)."""
+    batch, n = parents.shape
+    mask = torch.zeros(batch, n, n, dtype=torch.bool)
+    for i in range(n):
+        mask[:, i, i] = True
+        par = parents[:, i]
+        has = par >= 0
+        if has.any():
+            rows = has.nonzero().squeeze(1)
+            mask[rows, i] |= mask[rows, par[rows]]
+    return mask
+
+
+def _validate(target_probs, draft_probs, tokens, parents) -> None:
+    if tokens.dim() != 2 or parents.shape != tokens.shape:
+        raise ValueError(f"tokens and parents must both be [B, N], got {tuple(tokens.shape)} and {tuple(parents.shape)}")
+    if tokens.dtype != torch.long or parents.dtype != torch.long:
+        raise ValueError("tokens and parents must be torch.long")
+    batch, n = tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (batch, n + 1):
+        raise ValueError(f"target_probs must be [B, N+1, V] = ({batch}, {n + 1}, V), got {tuple(target_probs.shape)}")
+    vocab = target_probs.shape[2]
+    if not target_probs.is_floating_point() or vocab == 0:
+        raise ValueError("target_probs must be a floating-point tensor with a non-empty vocabulary")
+    if draft_probs is not None and (draft_probs.shape != target_probs.shape or not draft_probs.is_floating_point()):
+        raise ValueError(f"draft_probs must be a floating-point [B, N+1, V] tensor like target_probs, got {tuple(draft_probs.shape)}")
+    if ((tokens < -1) | (tokens >= vocab)).any():
+        raise ValueError(f"tokens must be ids in [0, {vocab}) or -1 for padding")
+    index = torch.arange(n).unsqueeze(0)
+    if ((parents < -1) | (parents >= index)).any():
+        raise ValueError("parents[b, i] must be -1 (the root) or a node index < i")
+    used = tokens >= 0
+    par_used = torch.where(parents >= 0, used.gather(1, parents.clamp(min=0)), True)
+    if (used & ~par_used).any():
+        raise ValueError("a node hangs from a padding node (tokens == -1)")
+    _check_probs("target_probs", target_probs)
+    if draft_probs is not None:
+        _check_probs("draft_probs", draft_probs)
+
+
+def verify_tree(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    without_replacement: bool = False,
+    residual_tolerance: float = 1e-6,
+) -> TreeVerification:
+    """Exact multi-candidate verification of a token tree per row; see the module docstring.
+
+    target_probs ``[B, N+1, V]``, draft_probs ``[B, N+1, V]`` or ``None`` (deterministic
+    candidates), tokens / parents ``[B, N]`` long. ``without_replacement``: the proposer drew the
+    siblings without replacement (distinct tokens); then ``q`` is updated after each rejection.
+    """
+    _validate(target_probs, draft_probs, tokens, parents)
+    batch, n = tokens.shape
+    dtype = torch.promote_types(target_probs.dtype, torch.float32)
+    if draft_probs is not None:
+        dtype = torch.promote_types(dtype, draft_probs.dtype)
+    p_all = target_probs.to(dtype)  # [B, N+1, V]
+    q_all = None if draft_probs is None else draft_probs.to(dtype)
+    uniforms = torch.rand((batch, n), generator=generator, dtype=dtype)  # [B, N]: one per node
+    node_depth = depths(parents, tokens)  # [B, N]
+    max_depth = int(node_depth.max()) if n else 0
+
+    finals = torch.empty(batch, p_all.shape[2], dtype=dtype)  # [B, V]: the distribution of the last token
+    path = torch.full((batch, max_depth), -1, dtype=torch.long)
+    out_tokens = torch.full((batch, max_depth + 1), -1, dtype=torch.long)
+    num_accepted = torch.zeros(batch, dtype=torch.long)
+    toks, pars = tokens.tolist(), parents.tolist()
+    for b in range(batch):
+        node, depth = -1, 0
+        while True:
+            p = p_all[b, node + 1]
+            q = None if q_all is None else q_all[b, node + 1]
+            children = [i for i in range(n) if pars[b][i] == node and toks[b][i] >= 0]
+            accepted = None
+            for child in children:
+                x = toks[b][child]
+                q_x = 1.0 if q is None else q[x]
+                if q_x <= 0:
+                    raise ValueError(f"row {b}: candidate {x} of node {child} has zero probability under draft_probs")
+                ratio = acceptance_probability(p[x], torch.as_tensor(q_x, dtype=dtype))
+                if uniforms[b, child] < ratio:
+                    accepted = child
+                    break
+                one_hot = torch.zeros_like(p)
+                one_hot[x] = 1.0
+                p = residual_distribution(p, one_hot if q is None else q, residual_tolerance)
+                if q is not None and without_replacement:
+                    q = q.clone()
+                    q[x] = 0.0
+                    mass = q.sum()
+                    q = q / mass if mass > 0 else q
+            if accepted is None:
+                # all children rejected: p is already the residual; a leaf: the bonus, normalised
+                # exactly as verify_chain does it (the residual against q = 0)
+                finals[b] = p if children else residual_distribution(p, torch.zeros_like(p), residual_tolerance)
+                break
+            path[b, depth] = accepted
+            out_tokens[b, depth] = toks[b][accepted]
+            depth += 1
+            node = accepted
+        num_accepted[b] = depth
+    last = sample(finals, generator)  # [B]
+    out_tokens[torch.arange(batch), num_accepted] = last
+    return TreeVerification(num_accepted=num_accepted, tokens=out_tokens, path=path)

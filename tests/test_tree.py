@@ -167,3 +167,35 @@ def test_malformed_trees_are_clear_errors(tokens, parents, message):
     p = torch.full((1, 3, 4), 0.25)
     with pytest.raises(ValueError, match=message):
         verify_tree(p, None, torch.tensor(tokens), torch.tensor(parents))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_scoring_a_tree_then_keeping_the_accepted_branch_equals_the_chain(arch):
+    """The target scores a whole tree in one forward (ancestor mask, position = prefix + depth);
+    the cache then keeps only the accepted branch (compacted into place) and decoding continues
+    exactly as if that branch had been decoded as a chain (int8: bit-identical logits)."""
+    from tiny_models import hf_tiny, ours
+
+    model = ours(hf_tiny(arch), "int8")
+    prefix = torch.tensor([[5, 9, 14, 2, 7, 31]])
+    root = 40
+    tokens = torch.tensor([[11, 12, 13, 21, 22, 23]])  # root -> {11, 12, 13}; 12 -> {21, 22}; 22 -> {23}
+    parents = torch.tensor([[-1, -1, -1, 1, 1, 4]])
+    path = torch.tensor([[1, 4, 5]])  # accept 12 -> 22 -> 23: nodes out of place, so K/V must move
+    n = torch.tensor([3])
+
+    cache = model.new_cache(1, 32)
+    model(prefix, cache)
+    before = cache.lengths.clone()
+    mask = torch.ones(1, 7, 7, dtype=torch.bool).tril()
+    mask[:, 1:, 1:] = ancestor_mask(parents)
+    mask[:, 1:, 0] = True
+    positions = before.unsqueeze(1) + torch.cat([torch.zeros(1, 1, dtype=torch.long), depths(parents, tokens)], 1)
+    model(torch.cat([torch.tensor([[root]]), tokens], 1), cache, tree_mask=mask, positions=positions)
+    cache.keep_path(before, path, n)
+    after_tree = model(torch.tensor([[50]]), cache)
+
+    chain = model.new_cache(1, 32)
+    model(torch.cat([prefix, torch.tensor([[root, 12, 22, 23]])], 1), chain)
+    after_chain = model(torch.tensor([[50]]), chain)
+    assert torch.equal(after_tree, after_chain)

@@ -67,6 +67,22 @@ class KVCache:
             raise ValueError(f"truncate({new.tolist()}) must be between 0 and the current lengths {self.lengths.tolist()}")
         self.lengths = new
 
+    def keep_path(self, before: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """After a tree block ``[root, node_0 .. node_{N-1}]`` written at slots ``before ..
+        before + N`` (per row), keep the root and the accepted nodes only: node ``path[b, j]``'s
+        K/V moves to slot ``before + 1 + j``, and the row's length becomes ``before + 1 +
+        num_accepted``. O(accepted) copies; a path-shaped acceptance (node j at depth j) moves
+        nothing. ``path`` ``[B, D]`` is -1 padded."""
+        for b in range(self.batch):
+            n = int(num_accepted[b])
+            src = before[b] + 1 + path[b, :n]  # [n] slots of the accepted nodes
+            dst = before[b] + 1 + torch.arange(n)
+            moved = src != dst
+            if bool(moved.any()):
+                self.k[:, b, :, dst[moved]] = self.k[:, b, :, src[moved]]
+                self.v[:, b, :, dst[moved]] = self.v[:, b, :, src[moved]]
+        self.truncate(before + 1 + num_accepted)
+
     def fork(self, rows: torch.Tensor | list[int]) -> "KVCache":
         """A copy holding the given rows (repeat a row to branch it, e.g. for candidate trees)."""
         index = torch.as_tensor(rows, dtype=torch.long)

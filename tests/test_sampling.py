@@ -180,3 +180,23 @@ def test_sample_is_inverse_cdf_with_one_fp64_uniform_per_row():
 def test_sample_error_message():
     with pytest.raises(ValueError, match=r"^cannot sample from a row whose probabilities are all zero, NaN or infinite$"):
         sample(torch.zeros(1, 3), None)
+
+
+def test_tiny_temperature_shifts_each_row_by_its_own_max():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [-1000.0, -999.0, -998.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=1e-38))
+    assert probs.tolist() == [[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]
+
+
+def test_min_p_threshold_is_relative_to_each_rows_top_probability():
+    logits = torch.tensor([[0.0, -1.0, -5.0], [0.0, 0.0, 0.0]])  # a sharp row and a flat row
+    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, min_p=0.5))
+    assert probs[1].tolist() == pytest.approx([1 / 3] * 3)  # flat: every token is at the top
+    assert probs[0, 2] == 0
+
+
+def test_sample_accepts_unnormalised_rows():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(64, 4)
+    a = sample(probs, torch.Generator().manual_seed(1))
+    b = sample(probs * 7.0, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)

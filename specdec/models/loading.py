@@ -23,6 +23,7 @@ import torch
 from specdec.models import cache, registry
 from specdec.models.calibration import cached_calibration
 from specdec.runtime.config import ModelConfig
+from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.runtime.model import Transformer
 
 # Bump a format when its quantized layout or recipe changes (it is part of the cache key).
@@ -208,7 +209,7 @@ def _load_directory(directory: Path, dtype: str) -> tuple[Transformer, object]:
     return Transformer(cfg, weights, dtype), tokenizer
 
 
-def load(name_or_path: str, dtype: str = "int8", *, install: bool = False) -> LoadedModel:
+def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False) -> LoadedModel:
     """Load a model for inference. int8 layers are cached on disk after the first build, so a
     second load reads ~1 byte per weight and only repacks it for the kernel.
 

@@ -36,6 +36,9 @@ from specdec.runtime import q4
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "q4": torch.uint8}
 QUANTIZED = ("int8", "q4")  # dtypes whose layers are built once and cached on disk
+# The default everywhere (CLI, API, loading): the 4-bit path where this CPU runs its kernel — faster
+# than int8 and closer to the GGUF weights (docs/BENCHMARKS.md §7) — else int8.
+DEFAULT_DTYPE = "q4" if q4.available() else "int8"
 
 _ANCHOR_COLUMNS = 8  # +1, -1, then zeros: keeps K a multiple of 8 when it was one
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.sampling import sample
-from specdec.verify import _check_probs, acceptance_probability, residual_distribution
+from specdec.verify import acceptance_probability, check_probs, residual_distribution
 
 __all__ = ["TreeVerification", "ancestor_mask", "depths", "verify_tree"]
 
@@ -103,9 +103,9 @@ def _validate(target_probs, draft_probs, tokens, parents) -> None:
     par_used = torch.where(parents >= 0, used.gather(1, parents.clamp(min=0)), True)
     if (used & ~par_used).any():
         raise ValueError("a node hangs from a padding node (tokens == -1)")
-    _check_probs("target_probs", target_probs)
+    check_probs("target_probs", target_probs)
     if draft_probs is not None:
-        _check_probs("draft_probs", draft_probs)
+        check_probs("draft_probs", draft_probs)
 
 
 def verify_tree(

@@ -29,7 +29,8 @@ import torch
 
 from specdec.sampling import sample
 
-__all__ = ["ChainVerification", "acceptance_probability", "residual_distribution", "verify_chain"]
+__all__ = ["ChainVerification", "acceptance_probability", "check_probs", "residual_distribution", "verify_chain"]
+
 
 def _sum_tolerance(dtype: torch.dtype) -> float:
     """How far from 1 a valid row's sum may be. Each entry of a normalised row is rounded to the
@@ -78,7 +79,9 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor, tolerance: float = 1
     return torch.where(use_p, p, residual / torch.where(use_p, torch.ones_like(mass), mass))
 
 
-def _check_probs(name: str, probs: torch.Tensor) -> None:
+def check_probs(name: str, probs: torch.Tensor) -> None:
+    """Raise a ValueError naming ``name`` unless every row is finite, non-negative and sums to 1
+    within the tolerance of its dtype (shared by the chain and tree verifiers)."""
     if probs.numel() == 0:
         return
     low, high = torch.aminmax(probs)  # one pass; NaN propagates into both
@@ -110,7 +113,7 @@ def _validate(target_probs, draft_probs, draft_tokens) -> None:
         )
     if not target_probs.is_floating_point():
         raise ValueError("target_probs must be a floating-point tensor")
-    _check_probs("target_probs", target_probs)
+    check_probs("target_probs", target_probs)
     if draft_tokens.numel() and (draft_tokens.min() < 0 or draft_tokens.max() >= vocab):
         raise ValueError(f"draft_tokens must be ids in [0, {vocab})")
     if draft_probs is not None:
@@ -121,7 +124,7 @@ def _validate(target_probs, draft_probs, draft_tokens) -> None:
             )
         if not draft_probs.is_floating_point():
             raise ValueError("draft_probs must be a floating-point tensor")
-        _check_probs("draft_probs", draft_probs)
+        check_probs("draft_probs", draft_probs)
 
 
 def verify_chain(

@@ -139,7 +139,10 @@ def generate(
     cache = target.new_cache(batch, capacity)
     lengths = torch.tensor([len(p) for p in prompts])
     padded = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
-    logits = target(padded, cache, logit_index=(lengths - 1).unsqueeze(1))  # [B, 1, V]
+    # A proposer that reads the target's features (a draft head) gets them from the same calls.
+    want_hidden = proposer is not None and proposer.wants_target_hidden
+    out = target(padded, cache, logit_index=(lengths - 1).unsqueeze(1), return_hidden=want_hidden)
+    logits, prefill_hidden = out if want_hidden else (out, None)  # [B, 1, V], [B, L, E]
     cache.truncate(lengths)
     metrics.target_calls += 1
     t = time.perf_counter()
@@ -164,7 +167,7 @@ def generate(
 
     if proposer is not None:
         t = time.perf_counter()
-        proposer.start(prompts, row_params, g_draft)
+        proposer.start(prompts, row_params, g_draft, target_hidden=prefill_hidden)
         tm.draft += time.perf_counter() - t
     for row in range(batch):
         results[row].metrics.target_calls = 1
@@ -204,7 +207,8 @@ def generate(
         t1 = time.perf_counter()
         block = torch.cat([last.unsqueeze(1), draft_tokens], 1)  # [B', k+1]
         before = cache.lengths.clone()
-        logits = target(block, cache)  # [B', k+1, V]
+        out = target(block, cache, return_hidden=want_hidden)
+        logits, hidden = out if want_hidden else (out, None)  # [B', k+1, V], [B', k+1, E]
         metrics.target_calls += 1
         t2 = time.perf_counter()
         params_alive = [row_params[r] for r in alive]
@@ -213,7 +217,7 @@ def generate(
         last = rollback(cache, before, result)
         t4 = time.perf_counter()
         if proposer is not None:
-            proposer.observe(result.num_accepted)
+            proposer.observe(result.num_accepted, target_hidden=hidden)
         t5 = time.perf_counter()
         if controller is not None:
             controller.observe(step_k, result.num_accepted.tolist(), (t1 - t0) + (t5 - t4), t3 - t1,

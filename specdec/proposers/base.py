@@ -21,15 +21,22 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator) -> None:
-        """Begin a batch: ``prompts`` are the token ids already in each row's context."""
+    # Whether the proposer reads the target's features (a draft head): the engine then passes the
+    # last block's output of the prefill to ``start`` and of each verified block to ``observe``.
+    wants_target_hidden: bool
+
+    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
+              target_hidden: torch.Tensor | None = None) -> None:
+        """Begin a batch: ``prompts`` are the token ids already in each row's context;
+        ``target_hidden`` ``[B, L, E]`` their target features when ``wants_target_hidden``."""
 
     def propose(self, pending: list[list[int]], k: int) -> Proposal:
         """Propose ``k`` tokens per row. ``pending[b]`` holds the tokens committed since the last
         call (the first call gets the first generated token): the proposer has not seen them yet."""
 
-    def observe(self, num_accepted: torch.Tensor) -> None:
-        """``num_accepted`` ``[B]``: how many of the last proposal's tokens the target accepted."""
+    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+        """``num_accepted`` ``[B]``: how many of the last proposal's tokens the target accepted;
+        ``target_hidden`` ``[B, k+1, E]``: the verified block's features when ``wants_target_hidden``."""
 
     def retain(self, rows: list[int]) -> None:
         """Keep only these rows (by current position); the others have finished."""

@@ -13,13 +13,16 @@ class DraftModelProposer:
     """Samples k tokens autoregressively from the draft with the rows' own sampling parameters,
     so the returned ``probs`` are exactly the processed ``q`` each token was drawn from."""
 
+    wants_target_hidden = False
+
     def __init__(self, model: Transformer, capacity: int) -> None:
         self.model = model
         self.capacity = capacity
         self.cache = None
         self._fed_drafts = 0  # draft tokens of the last proposal that were written into the cache
 
-    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator) -> None:
+    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
+              target_hidden: torch.Tensor | None = None) -> None:
         self.params, self.generator = params, generator
         self.cache = self.model.new_cache(len(prompts), self.capacity)
         # Nothing runs yet: the prompt is fed (as one prefill) with the first proposal.
@@ -76,7 +79,7 @@ class DraftModelProposer:
         self._pending_prefix = [self._pending_prefix[i] for i in rows]
         self._skip = [self._skip[i] for i in rows]
 
-    def observe(self, num_accepted: torch.Tensor) -> None:
+    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         # The cache holds the fed pending tokens plus drafts d_1..d_{k-1}. Keep the accepted ones
         # and skip them in the next pending list; an accepted d_k (never fed) is fed next time,
         # together with the bonus token.

@@ -1,4 +1,4 @@
-"""Hybrid proposer: n-gram lookup when the context repeats itself, a model draft otherwise.
+"""Hybrid proposer: n-gram lookup when the context repeats itself, a model draft (or head) otherwise.
 
 Each step, if every row has an n-gram match the (nearly free) lookup proposes; otherwise the
 model draft does. The model draft still has to see every committed token, so tokens committed
@@ -22,9 +22,14 @@ class HybridProposer:
         self._queued: list[list[int]] = []
         self._used = None
 
-    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator) -> None:
+    @property
+    def wants_target_hidden(self) -> bool:
+        return self.model_draft.wants_target_hidden
+
+    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
+              target_hidden: torch.Tensor | None = None) -> None:
         self.ngram.start(prompts, params, generator)
-        self.model_draft.start(prompts, params, generator)
+        self.model_draft.start(prompts, params, generator, target_hidden=target_hidden)
         self._queued = [[] for _ in prompts]
         self._fresh: list[list[int]] | None = None
 
@@ -50,9 +55,10 @@ class HybridProposer:
     def caught_up(self) -> bool:
         return self._used is self.model_draft and getattr(self.model_draft, "caught_up", False)
 
-    def observe(self, num_accepted: torch.Tensor) -> None:
-        if self._used is self.model_draft:
-            self.model_draft.observe(num_accepted)
+    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+        # A draft head must see the target's features of every committed token, whoever proposed.
+        if self._used is self.model_draft or self.model_draft.wants_target_hidden:
+            self.model_draft.observe(num_accepted, target_hidden=target_hidden)
 
     def retain(self, rows: list[int]) -> None:
         self.ngram.retain(rows)

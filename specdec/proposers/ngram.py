@@ -47,13 +47,16 @@ class NgramIndex:
 
 
 class NgramProposer:
+    wants_target_hidden = False
+
     def __init__(self, n_min: int = 2, n_max: int = 4) -> None:
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_min, self.n_max = n_min, n_max
         self.rows: list[NgramIndex] = []
 
-    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator) -> None:
+    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
+              target_hidden: torch.Tensor | None = None) -> None:
         self.rows = []
         for prompt in prompts:
             index = NgramIndex(self.n_min, self.n_max)
@@ -81,7 +84,7 @@ class NgramProposer:
         """Whether each row would propose something now (used by the hybrid proposer)."""
         return [bool(index.lookup(k)) for index in self.rows]
 
-    def observe(self, num_accepted: torch.Tensor) -> None:
+    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         pass  # the committed tokens arrive as the next call's ``pending``
 
     def retain(self, rows: list[int]) -> None:

@@ -25,7 +25,7 @@ from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.linear import LinearBuilder, activation_dtype
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if gemma:  # Gemma multiplies in fp32 by (1 + w) before casting back
@@ -33,14 +33,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) ->
     return weight * out.to(x.dtype) if weight.dtype == x.dtype else (out * weight.float()).to(x.dtype)
 
 
-def _rope_tables(theta: float, head_dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(theta: float, head_dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)  # [P, D/2]
     emb = torch.cat([freqs, freqs], -1)  # [P, D]
     return emb.cos(), emb.sin()
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x ``[B, H, T, D]``; cos/sin ``[B, 1, T, D]`` (rotate-half convention, as in transformers)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
@@ -113,7 +113,7 @@ class Block(torch.nn.Module):
         return names
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.norms[name], self.cfg.rms_norm_eps, self.cfg.is_gemma)
+        return rms_norm(x, self.norms[name], self.cfg.rms_norm_eps, self.cfg.is_gemma)
 
     def forward(self, x, cache: KVCache, slots, rope, visible) -> torch.Tensor:
         cfg = self.cfg
@@ -125,10 +125,10 @@ class Block(torch.nn.Module):
         k = qkv[..., q_size : q_size + kv_size].view(bsz, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = qkv[..., q_size + kv_size :].view(bsz, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         if cfg.is_gemma:
-            q = _rms_norm(q, self.q_norm, cfg.rms_norm_eps, True)
-            k = _rms_norm(k, self.k_norm, cfg.rms_norm_eps, True)
+            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps, True)
+            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps, True)
         cos, sin = rope["local" if self.sliding else "global"]
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer, k.to(cache.k.dtype), v.to(cache.v.dtype), slots)
         scale = cfg.query_pre_attn_scalar**-0.5 if cfg.is_gemma else 1.0 / math.sqrt(cfg.head_dim)
         attn = self._attend(q, cache, visible["local" if self.sliding else "global"], scale)  # [B, Hq, T, D]
@@ -215,9 +215,9 @@ class Transformer(torch.nn.Module):
         need = int(positions.max()) + 1
         if need > self._rope_len:
             size = max(need, 2 * self._rope_len, 256)
-            self._rope = {"global": _rope_tables(self.cfg.rope_theta, self.cfg.head_dim, size)}
+            self._rope = {"global": rope_tables(self.cfg.rope_theta, self.cfg.head_dim, size)}
             if self.cfg.is_gemma:
-                self._rope["local"] = _rope_tables(self.cfg.rope_local_theta, self.cfg.head_dim, size)
+                self._rope["local"] = rope_tables(self.cfg.rope_local_theta, self.cfg.head_dim, size)
             self._rope_len = size
         out = {}
         for name, (cos, sin) in self._rope.items():
@@ -235,15 +235,39 @@ class Transformer(torch.nn.Module):
         tree_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         logit_index: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens`` ``[B, T]`` to ``cache`` and return logits ``[B, T', V]`` (fp32).
 
         tree_mask: ``[B, T, T]`` bool, which block tokens each block token may attend to
             (default: causal). Committed slots are always visible.
         positions: ``[B, T]`` rope positions (default: the slots, i.e. a linear chain).
         logit_index: ``[B, T']`` block indices to compute logits for (default: all T).
+        return_hidden: also return the last block's output (before the final norm) at every block
+            position, ``[B, T, E]`` — the features a draft head reads; it is computed anyway.
         """
-        bsz, t = tokens.shape
+        if tokens.shape[1] == 0:
+            raise ValueError("forward needs at least one token")
+        x = self.embed[tokens]  # [B, T, E]
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return self.forward_embeds(x, cache, tree_mask=tree_mask, positions=positions,
+                                   logit_index=logit_index, return_hidden=return_hidden)
+
+    @torch.inference_mode()
+    def forward_embeds(
+        self,
+        x: torch.Tensor,
+        cache: KVCache,
+        *,
+        tree_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        logit_index: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` from input vectors ``x`` ``[B, T, E]`` instead of token ids (a draft
+        head feeds its own projected features)."""
+        bsz, t, _ = x.shape
         if bsz != cache.batch:
             raise ValueError(f"tokens have batch {bsz} but the cache has {cache.batch}")
         if t == 0:
@@ -256,21 +280,19 @@ class Transformer(torch.nn.Module):
                 f"position {int(positions.max())} is beyond the model's context length {self.cfg.max_position_embeddings}"
             )
         visible = self._per_query_visibility(start, positions, tree_mask, t)
-        x = self.embed[tokens]  # [B, T, E]
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = self._rope_for(positions)
         for block in self.blocks:
             x = block(x, cache, slots, rope, visible)
         cache.advance(t)
+        hidden = x  # [B, T, E]
         if logit_index is not None:
             x = x.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        x = _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps, self.cfg.is_gemma)
+        x = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps, self.cfg.is_gemma)
         logits = self.lm_head(x).float()  # [B, T', V]
         if self.cfg.final_logit_softcapping:
             cap = self.cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return logits
+        return (logits, hidden) if return_hidden else logits
 
     def _per_query_visibility(self, start, positions, tree_mask, t) -> dict[str, list]:
         """Groups of queries with identical visible slots, for "global" and "local" (Gemma's

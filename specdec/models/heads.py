@@ -1,0 +1,47 @@
+"""Draft heads: the ones shipped with specdec, and loading a head for a loaded target.
+
+A head file (see :func:`specdec.proposers.head.save_head`) holds only what was trained; the
+target's embedding, final norm and output rows for the head's vocabulary subset are taken from the
+target itself when the head is loaded, so a head is a few tens of MB.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from specdec.models.loading import LazyWeights, LoadedModel
+from specdec.proposers.head import DraftHead, read_head
+
+# Target registry name -> the head file shipped in specdec/heads/ (trained by `specdec train-head`).
+SHIPPED = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b-instruct.head.safetensors"}
+
+
+def shipped(target_name: str) -> Path | None:
+    """The head shipped for a registry target, if there is one."""
+    name = SHIPPED.get(target_name)
+    if name is None:
+        return None
+    path = Path(str(resources.files("specdec.heads") / name))
+    return path if path.is_file() else None
+
+
+def output_rows(target: LoadedModel) -> torch.Tensor:
+    """The target's output layer ``[V, E]`` in fp32, read from its weights on disk."""
+    weights = LazyWeights(target.source_dir)
+    name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    return weights[name].float()
+
+
+def load_head(path: Path, target: LoadedModel) -> DraftHead:
+    """A :class:`DraftHead` for ``target``, in the target's runtime dtype."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no draft head at {path}")
+    cfg, state, vocab_ids, _ = read_head(Path(path))
+    rows = output_rows(target)
+    if rows.shape[0] != cfg.target_vocab_size:
+        raise ValueError(f"the head at {path} was trained for a vocabulary of {cfg.target_vocab_size} ids; "
+                         f"{target.name} has {rows.shape[0]}")
+    return DraftHead(cfg, state, vocab_ids, target.model, rows[vocab_ids].clone(), target.model.dtype_name)

@@ -1,0 +1,206 @@
+"""Train a draft head on stored target features: distillation, checkpoints, resume, evaluation.
+
+Labels are the target's own distribution at the next position (computed from the stored features
+by its final norm and output rows, restricted to the head's vocabulary subset — the best a head
+that can only draft from that subset can do is match ``p`` there). Each batch trains draft steps
+1..``passes`` at every slot (:meth:`HeadNet.passes`): later steps read the head's own guesses, as
+they do when drafting. The schedule is a pure function of the step number (the data order of epoch
+e is a permutation seeded by (seed, e)), so a run resumed from a checkpoint continues exactly as
+the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec.models import cache
+from specdec.proposers.head import HeadConfig, HeadNet
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    vocab_size: int = 16384  # the head's output subset (frequency-ranked ids)
+    intermediate_size: int = 4096
+    passes: int = 3  # draft steps trained per slot
+    steps: int = 600
+    batch_sequences: int = 4
+    lr: float = 1e-3
+    warmup: int = 20
+    seed: int = 0
+    checkpoint_every: int = 25
+    held_out_every: int = 20  # every n-th sequence is held out for evaluation
+
+
+def split(num_sequences: int, every: int) -> tuple[list[int], list[int]]:
+    held = [i for i in range(num_sequences) if i % every == every - 1]
+    return [i for i in range(num_sequences) if i % every != every - 1], held
+
+
+def vocab_subset(token_rows: list[torch.Tensor], size: int, always: set[int], vocab: int) -> torch.Tensor:
+    """The ``size`` most frequent ids of the training tokens (ties by id), plus ``always``
+    (end-of-turn ids), sorted by id."""
+    counts = Counter()
+    for row in token_rows:
+        counts.update(row[row >= 0].tolist())
+    ranked = [i for i, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    chosen = list(dict.fromkeys([i for i in always if i < vocab] + ranked))[:size]
+    if len(chosen) < size:  # a small corpus: fill with the lowest unused ids
+        used = set(chosen)
+        chosen += [i for i in range(vocab) if i not in used][: size - len(chosen)]
+    return torch.tensor(sorted(chosen))
+
+
+class Dataset:
+    """Sequences of (tokens [L] long, features [L, E] fp16) from the feature shards."""
+
+    def __init__(self, shards: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.rows = []
+        for tokens, hidden in shards:
+            for t, h in zip(tokens, hidden):
+                n = int((t >= 0).sum())
+                self.rows.append((t[:n].long(), h[:n]))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded tokens ``[B, L]`` (-1), features ``[B, L, E]`` fp32, lengths ``[B]``."""
+        width = max(self.rows[i][0].shape[0] for i in indices)
+        e = self.rows[indices[0]][1].shape[1]
+        tokens = torch.full((len(indices), width), -1, dtype=torch.long)
+        feats = torch.zeros(len(indices), width, e)
+        for b, i in enumerate(indices):
+            t, h = self.rows[i]
+            tokens[b, : t.shape[0]], feats[b, : t.shape[0]] = t, h.float()
+        return tokens, feats, torch.tensor([self.rows[i][0].shape[0] for i in indices])
+
+
+def order(train_ids: list[int], step: int, batch: int, seed: int) -> list[int]:
+    """The sequences of ``step``: epoch e walks a permutation seeded by (seed, e)."""
+    per_epoch = max(1, len(train_ids) // batch)
+    epoch, pos = divmod(step, per_epoch)
+    perm = torch.randperm(len(train_ids), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return [train_ids[int(i)] for i in perm[pos * batch : (pos + 1) * batch]]
+
+
+def pass_losses(net: HeadNet, tokens, feats, lengths, passes: int) -> list[torch.Tensor]:
+    """Mean distillation cross-entropy of each draft step over its valid slots."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # matmuls in bf16 (2.5x fp32 here), softmaxes in fp32
+        with torch.no_grad():
+            labels = torch.softmax(net.target_logits(feats[:, 1:]).float(), -1)  # [B, L-1, N] p at slot i+1
+        outs = net.passes(feats, tokens, passes)
+        slots = torch.arange(tokens.shape[1] - 1)
+        losses = []
+        for m, out in enumerate(outs, start=1):
+            logq = torch.log_softmax(net.target_logits(out[:, :-1]).float(), -1)  # [B, L-1, N]
+            valid = (slots.view(1, -1) >= m - 1) & (slots.view(1, -1) + 1 < lengths.view(-1, 1))  # [B, L-1]
+            ce = -(labels * logq).sum(-1)
+            losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
+    return losses
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train(net: HeadNet, data: Dataset, train_ids: list[int], cfg: TrainConfig, checkpoint: Path,
+          progress: bool = True) -> dict:
+    """Train ``net`` for ``cfg.steps`` steps, resuming from ``checkpoint`` if it exists; returns
+    the run's log (loss per step, seconds)."""
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
+    step, log = 0, {"loss": [], "seconds": 0.0}
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["train_config"] != asdict(cfg):
+            raise ValueError(f"{checkpoint} was made with other settings {state['train_config']}; remove it to start over")
+        net.load_export(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        step, log = state["step"], state["log"]
+
+    def save() -> None:
+        payload = {"head": net.export(), "optimizer": opt.state_dict(), "step": step, "log": log,
+                   "train_config": asdict(cfg)}
+        cache.write_atomic(checkpoint, lambda tmp: torch.save(payload, tmp))
+
+    bar = tqdm(total=cfg.steps, initial=step, desc="train head", unit="step", disable=not progress)
+    while step < cfg.steps:
+        start = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        tokens, feats, lengths = data.batch(order(train_ids, step, cfg.batch_sequences, cfg.seed))
+        losses = pass_losses(net, tokens, feats, lengths, cfg.passes)
+        loss = sum(losses) / len(losses)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        step += 1
+        log["loss"].append([round(float(x.detach()), 4) for x in losses])
+        log["seconds"] += time.perf_counter() - start
+        bar.update(1)
+        bar.set_postfix(loss=" ".join(f"{float(x.detach()):.2f}" for x in losses))
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            save()
+    bar.close()
+    return log
+
+
+@torch.no_grad()
+def evaluate(net: HeadNet, data: Dataset, ids: list[int], passes: int, full_rows: torch.Tensor,
+             batch: int = 4) -> dict:
+    """Held-out acceptance per draft position, teacher-forced tokens, the head's own features:
+    ``alpha[m]`` = mean over slots of sum_x min(p(x), q(x)) (the chance a sampled draft at step
+    m is accepted, T = 1) and ``greedy[m]`` = how often argmax q == argmax p (greedy acceptance),
+    both with ``p`` the target's full-vocabulary distribution (``full_rows`` [V, E]); and the
+    subset's coverage of the target's argmax."""
+    sums = {"alpha": [0.0] * passes, "greedy": [0.0] * passes, "count": [0] * passes}
+    covered = total = 0
+    subset = torch.zeros(full_rows.shape[0], dtype=torch.bool)
+    subset[net.vocab_ids] = True
+    for s in range(0, len(ids), batch):
+        tokens, feats, lengths = data.batch(ids[s : s + batch])
+        p = torch.softmax(torch.nn.functional.linear(
+            _normed(net, feats[:, 1:]), full_rows.float()), -1)  # [B, L-1, V]
+        top = p.argmax(-1)
+        slots = torch.arange(tokens.shape[1] - 1)
+        inside = slots.view(1, -1) + 1 < lengths.view(-1, 1)
+        covered += int((subset[top] & inside).sum())
+        total += int(inside.sum())
+        for m, out in enumerate(net.passes(feats, tokens, passes), start=1):
+            q = torch.softmax(net.target_logits(out[:, :-1]), -1)  # [B, L-1, N]
+            valid = inside & (slots.view(1, -1) >= m - 1)
+            alpha = torch.minimum(p[..., net.vocab_ids], q).sum(-1)
+            hit = net.vocab_ids[q.argmax(-1)] == top
+            sums["alpha"][m - 1] += float((alpha * valid).sum())
+            sums["greedy"][m - 1] += float((hit & valid).sum())
+            sums["count"][m - 1] += int(valid.sum())
+    n = sums["count"]
+    return {"alpha": [round(a / max(1, c), 4) for a, c in zip(sums["alpha"], n)],
+            "greedy": [round(g / max(1, c), 4) for g, c in zip(sums["greedy"], n)],
+            "slots": n[0], "subset_covers_argmax": round(covered / max(1, total), 4)}
+
+
+def _normed(net: HeadNet, feats: torch.Tensor) -> torch.Tensor:
+    from specdec.runtime.model import rms_norm
+
+    return rms_norm(feats.float(), net.final_norm, net.cfg.rms_norm_eps, False)
+
+
+def write_json(path: Path, data: dict) -> None:
+    cache.write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1)))
+
+
+def head_config(target_cfg, cfg: TrainConfig) -> HeadConfig:
+    return HeadConfig.for_target(target_cfg, cfg.intermediate_size)

@@ -1,0 +1,284 @@
+"""The draft head: training module == runtime head, exactness in the engine, cache rollback,
+training that learns and resumes exactly, head files."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import specdec.verify as verify_module
+from specdec.engine import generate
+from specdec.proposers import HybridProposer, NgramProposer
+from specdec.proposers.head import DraftHead, HeadConfig, HeadNet, HeadProposer, read_head, save_head
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.training import features
+from specdec.training.train import Dataset, TrainConfig, evaluate, train, vocab_subset
+from stats import ALPHA, chi_square_pvalue
+from tiny_models import hf_tiny, ours
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3]]
+SUBSET = 64  # of the tiny vocabulary's 97 ids: some ids are never drafted
+
+
+def _net(target, seed=0, vocab=SUBSET) -> HeadNet:
+    cfg = HeadConfig.for_target(target.cfg, intermediate_size=96)
+    ids = torch.arange(vocab) * (target.vocab_size // vocab) if vocab < target.vocab_size else torch.arange(vocab)
+    rows = target.lm_head.weight  # a float32 target's output layer
+    return HeadNet(cfg, ids, target.embed, target.final_norm, rows[ids].clone(), seed)
+
+
+def _runtime(net: HeadNet, target, dtype: str) -> DraftHead:
+    return DraftHead(net.cfg, net.export(), net.vocab_ids, target, net.lm_rows, dtype)
+
+
+def _corpus(target, count: int, length: int, seed: int) -> list[list[int]]:
+    """The target's own samples (T = 1): text a head can learn to predict."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, target.vocab_size, (3,), generator=g).tolist() for _ in range(count)]
+    rows = generate(target, prompts, SamplingParams(temperature=1.0), length - 3, seed=seed)
+    return [p + r.token_ids for p, r in zip(prompts, rows)]
+
+
+def _dataset(target, sequences) -> Dataset:
+    width = max(len(s) for s in sequences)
+    tokens = torch.full((len(sequences), width), -1, dtype=torch.int32)
+    hidden = torch.zeros(len(sequences), width, target.cfg.hidden_size, dtype=torch.float16)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = torch.tensor(s)
+        hidden[i, : len(s)] = features.prefill_features(target, s).half()
+    return Dataset([(tokens, hidden)])
+
+
+@pytest.fixture(scope="module")
+def fp32_target():
+    return ours(hf_tiny("qwen2", seed=0), "float32")
+
+
+def _sharp(seed: int):
+    """A tiny llama whose output layer is scaled up: peaked distributions a head can learn."""
+    hf = hf_tiny("llama", seed=seed)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A float32 target, its int8 twin, and a head trained for 100 steps on the target's samples."""
+    fp32 = ours(_sharp(5), "float32")
+    int8 = ours(_sharp(5), "int8")
+    data = _dataset(fp32, _corpus(fp32, 48, 40, seed=1))
+    net = _net(fp32, vocab=97)
+    cfg = TrainConfig(vocab_size=97, intermediate_size=96, passes=2, steps=100, batch_sequences=8, lr=3e-3,
+                      warmup=5, checkpoint_every=1000)
+    log = train(net, data, list(range(40)), cfg, tmp_path_factory.mktemp("head") / "ckpt.pt", progress=False)
+    return fp32, int8, net, data, log
+
+
+def test_runtime_head_equals_training_module_for_every_draft_step(fp32_target):
+    """Pass m of HeadNet at slot i == drafting with the runtime head: true pairs up to slot
+    i-m+1 fed in one block, then m-1 single steps on the head's own guesses (teacher tokens)."""
+    target = fp32_target
+    net = _net(target, seed=1)
+    head = _runtime(net, target, "float32")
+    seq = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14]
+    hidden = features.prefill_features(target, seq)  # [L, E]
+    tokens = torch.tensor([seq])
+    with torch.no_grad():
+        outs = net.passes(hidden.unsqueeze(0), tokens, 3)
+    for m in (1, 2, 3):
+        for i in range(m - 1, len(seq) - 1):
+            cache = head.new_cache(1, 32)
+            first = i - m + 1  # the last slot holding a true pair
+            _, guess = head(hidden[: first + 1].unsqueeze(0), tokens[:, 1 : first + 2], cache)
+            guess = guess[:, -1:]
+            for j in range(1, m):
+                _, guess = head(guess, tokens[:, first + 1 + j : first + 2 + j], cache)
+            torch.testing.assert_close(guess[0, -1], outs[m - 1][0, i], atol=2e-5, rtol=1e-4)
+    subset_logits = head(hidden[:4].unsqueeze(0), tokens[:, 1:5], head.new_cache(1, 8))[0]  # [1, 4, N]
+    with torch.no_grad():
+        expected = net.target_logits(net.passes(hidden[:5].unsqueeze(0), tokens[:, :5], 1)[0][:, :4])
+    torch.testing.assert_close(subset_logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_training_loss_decreases_and_the_head_learns(trained):
+    fp32, _, net, data, log = trained
+    first = sum(sum(x) for x in log["loss"][:10]) / 10
+    last = sum(sum(x) for x in log["loss"][-10:]) / 10
+    assert last < 0.8 * first
+    scores = evaluate(net, data, list(range(40, 48)), 2, fp32.lm_head.weight)
+    untrained = evaluate(_net(fp32, vocab=97, seed=3), data, list(range(40, 48)), 2, fp32.lm_head.weight)
+    assert scores["alpha"][0] > untrained["alpha"][0] + 0.05
+    assert scores["greedy"][0] > untrained["greedy"][0]
+
+
+def test_resume_reproduces_an_uninterrupted_run(fp32_target, tmp_path):
+    data = _dataset(fp32_target, _corpus(fp32_target, 8, 20, seed=2))
+    cfg = TrainConfig(vocab_size=SUBSET, intermediate_size=96, passes=2, steps=6, batch_sequences=2, lr=3e-3,
+                      warmup=2, checkpoint_every=3)
+    straight = _net(fp32_target, seed=4)
+    train(straight, data, list(range(8)), cfg, tmp_path / "a.pt", progress=False)
+    # An interrupted run: 3 steps (checkpointed), then a fresh process resumes to 6.
+    interrupted = _net(fp32_target, seed=4)
+    train(interrupted, data, list(range(8)), dataclasses.replace(cfg, steps=3), tmp_path / "b.pt", progress=False)
+    state = torch.load(tmp_path / "b.pt", weights_only=False)
+    state["train_config"]["steps"] = 6  # the same run, which had been asked for 6 steps
+    torch.save(state, tmp_path / "b.pt")
+    resumed = _net(fp32_target, seed=99)  # weights come from the checkpoint
+    train(resumed, data, list(range(8)), cfg, tmp_path / "b.pt", progress=False)
+    for name, value in straight.export().items():
+        assert torch.equal(value, resumed.export()[name]), name
+    with pytest.raises(ValueError, match="other settings"):
+        train(_net(fp32_target), data, list(range(8)), dataclasses.replace(cfg, lr=1.0), tmp_path / "b.pt", progress=False)
+
+
+def _head_proposer(net, target, capacity=96):
+    return HeadProposer(_runtime(net, target, target.dtype_name), capacity)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_is_token_identical_to_plain_decoding(trained, k, batch):
+    _, int8, net, _, _ = trained
+    prompts = PROMPTS[:batch]
+    plain = generate(int8, prompts, GREEDY, 40)
+    spec = generate(int8, prompts, GREEDY, 40, proposer=_head_proposer(net, int8), k=k)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    acc = spec[0].batch_metrics.acceptance
+    assert 0 < acc.accepted < acc.drafted  # both acceptance and rejection happen
+    assert spec[0].batch_metrics.target_calls < plain[0].batch_metrics.target_calls
+
+
+def test_hybrid_with_head_and_adaptive_k_is_token_identical(trained):
+    _, int8, net, _, _ = trained
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [9, 9, 9, 9], [4, 5, 6]]
+    plain = generate(int8, prompts, GREEDY, 48)
+    for k in (3, "auto"):
+        hybrid = HybridProposer(NgramProposer(2, 3), _head_proposer(net, int8))
+        spec = generate(int8, prompts, GREEDY, 48, proposer=hybrid, k=k)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+
+
+def test_head_cache_rollback_equals_fresh_computation(trained):
+    """After drafting and a partial acceptance, the next proposal is bit-identical to the one of
+    a head that is fed the committed text from scratch."""
+    _, int8, net, _, _ = trained
+    prompt = [4, 8, 15, 16, 23, 42]
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    cache = int8.new_cache(1, 64)
+    _, hidden = int8(torch.tensor([prompt]), cache, return_hidden=True)
+    proposer = _head_proposer(net, int8)
+    proposer.start([prompt], [GREEDY], g(), target_hidden=hidden)
+    drafts = proposer.propose([[7]], 4).tokens[0].tolist()
+    block = [7] + drafts
+    _, block_hidden = int8(torch.tensor([block]), cache, return_hidden=True)
+    accepted = 2
+    proposer.observe(torch.tensor([accepted]), target_hidden=block_hidden)
+    committed = drafts[:accepted] + [31]  # accepted drafts, then a replacement token
+    after = proposer.propose([committed], 3)
+
+    text = prompt + [7] + drafts[:accepted]
+    fresh_cache = int8.new_cache(1, 64)
+    _, fresh_hidden = int8(torch.tensor([text]), fresh_cache, return_hidden=True)
+    fresh = _head_proposer(net, int8)
+    fresh.start([text], [GREEDY], g(), target_hidden=fresh_hidden)
+    expected = fresh.propose([[31]], 3)
+    assert torch.equal(after.tokens, expected.tokens)
+    assert torch.equal(after.probs, expected.probs)
+
+
+def test_ids_outside_the_subset_are_never_drafted(fp32_target):
+    net = _net(fp32_target, vocab=SUBSET)
+    proposer = _head_proposer(net, fp32_target)
+    prompt = [1, 2, 3]
+    _, hidden = fp32_target(torch.tensor([prompt]), fp32_target.new_cache(1, 8), return_hidden=True)
+    proposer.start([prompt], [SamplingParams(temperature=1.0)], torch.Generator().manual_seed(0), target_hidden=hidden)
+    out = proposer.propose([[4]], 3)
+    outside = torch.ones(fp32_target.vocab_size, dtype=torch.bool)
+    outside[net.vocab_ids] = False
+    assert torch.all(out.probs[..., outside] == 0)
+    assert torch.allclose(out.probs.sum(-1), torch.ones(1, 3, dtype=out.probs.dtype))
+    assert not outside[out.tokens].any()
+
+
+# Exact joint law of the first three tokens at T = 0.7 with top-k, through the engine with a head.
+V_SMALL, N_SAMPLES = 6, 100_000
+PARAMS = SamplingParams(temperature=0.7, top_k=5)
+PROMPT = [1, 4, 2]
+
+
+@pytest.fixture(scope="module")
+def small():
+    target = ours(hf_tiny("llama", vocab=V_SMALL, seed=3), "int8")
+    fp32 = ours(hf_tiny("llama", vocab=V_SMALL, seed=3), "float32")
+    net = _net(fp32, vocab=5, seed=2)  # 5 of 6 ids: one id is never drafted
+    return target, DraftHead(net.cfg, net.export(), net.vocab_ids, target, net.lm_rows, "int8")
+
+
+def _exact_joint(target) -> torch.Tensor:
+    joint = torch.zeros(V_SMALL, V_SMALL, V_SMALL, dtype=torch.float64)
+
+    def next_probs(prefixes):
+        logits = target(torch.tensor(prefixes), target.new_cache(len(prefixes), 16))[:, -1]
+        return probs_from_logits(logits, PARAMS).double()
+
+    p1 = next_probs([PROMPT])[0]
+    p2 = next_probs([PROMPT + [a] for a in range(V_SMALL)])
+    pairs = list(itertools.product(range(V_SMALL), repeat=2))
+    p3 = next_probs([PROMPT + [a, b] for a, b in pairs])
+    for idx, (a, b) in enumerate(pairs):
+        joint[a, b] = p1[a] * p2[a, b] * p3[idx]
+    return joint
+
+
+def _counts(target, head, k):
+    rows = generate(target, [PROMPT] * N_SAMPLES, PARAMS, 3, proposer=HeadProposer(head, 16), k=k, seed=11)
+    tokens = torch.tensor([r.token_ids for r in rows])
+    counts = torch.bincount((tokens[:, 0] * V_SMALL + tokens[:, 1]) * V_SMALL + tokens[:, 2], minlength=V_SMALL**3)
+    return counts, rows[0].batch_metrics.acceptance.to_dict()["acceptance_rate"]
+
+
+def test_first_three_tokens_follow_the_exact_target_law(small):
+    """Power: 10^5 samples over <= 216 cells; the negative control below must fail (p < 1e-12)."""
+    target, head = small
+    counts, acceptance = _counts(target, head, 2)
+    assert 0.1 < acceptance < 0.95
+    assert chi_square_pvalue(counts, _exact_joint(target)) > ALPHA
+
+
+def test_negative_control_without_residual_fails(small, monkeypatch):
+    target, head = small
+    monkeypatch.setattr(verify_module, "residual_distribution", lambda p, q, tolerance=1e-6: p)
+    counts, _ = _counts(target, head, 2)
+    assert chi_square_pvalue(counts, _exact_joint(target)) < 1e-12
+
+
+def test_head_file_round_trip_and_errors(fp32_target, tmp_path):
+    net = _net(fp32_target, seed=6)
+    path = tmp_path / "h.safetensors"
+    save_head(path, net.cfg, net.export(), net.vocab_ids, {"note": "test"})
+    cfg, state, ids, info = read_head(path)
+    assert cfg == net.cfg and torch.equal(ids, net.vocab_ids) and info == {"note": "test"}
+    for name, value in net.export().items():
+        assert torch.equal(state[name], value.half().float())
+    other = ours(hf_tiny("qwen2", vocab=50, seed=0), "float32")
+    with pytest.raises(ValueError, match="trained for a target with vocabulary 97"):
+        DraftHead(cfg, state, ids, other, net.lm_rows, "float32")
+    bad = tmp_path / "bad.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(bad))
+    with pytest.raises(ValueError, match="not a specdec draft head"):
+        read_head(bad)
+    with pytest.raises(ValueError, match="Gemma"):
+        HeadConfig.for_target(ours(hf_tiny("gemma3", seed=0), "float32").cfg, 96)
+
+
+def test_vocab_subset_ranks_by_frequency_and_keeps_end_ids():
+    rows = [torch.tensor([5, 5, 5, 7, 7, 9, -1]), torch.tensor([7, 5, 2])]
+    assert vocab_subset(rows, 3, {90}, 97).tolist() == [5, 7, 90]
+    assert vocab_subset(rows, 6, set(), 97).tolist() == [0, 1, 2, 5, 7, 9]

@@ -6,15 +6,21 @@ This is the layer the CLI (and later the server) calls; the engine itself works 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from specdec.detokenize import IncrementalDetokenizer, StopFinder
 from specdec.engine import RowResult, generate
 from specdec.metrics import GenerationMetrics
-from specdec.proposers import PROPOSERS, DraftModelProposer, HybridProposer, NgramProposer
-from specdec.models import loading
+from specdec.proposers import PROPOSERS, DraftModelProposer, HeadProposer, HybridProposer, NgramProposer
+from specdec.proposers.head import DraftHead
+from specdec.models import heads, loading
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.sampling import SamplingParams
+
+# What speculates when the caller names no proposer and loads no draft model but the target has a
+# draft head: measured best on this CPU (docs/BENCHMARKS.md §8).
+DEFAULT_HEAD_PROPOSER = "hybrid"
 
 _EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>")
 
@@ -36,20 +42,36 @@ class TextGenerator:
     target: loading.LoadedModel
     draft: loading.LoadedModel | None = None
     eos_token_ids: set[int] = field(default_factory=set)
+    head_path: Path | None = None  # the draft head to use, loaded on first use (see draft_head)
+    _head: DraftHead | None = None
 
     @classmethod
-    def load(cls, target: str, draft: str | None = None, dtype: str = DEFAULT_DTYPE, draft_dtype: str | None = None):
+    def load(cls, target: str, draft: str | None = None, dtype: str = DEFAULT_DTYPE, draft_dtype: str | None = None,
+             head: str | Path | None = "auto"):
+        """``head``: a draft head file, "auto" (the head shipped for the target, if any) or None;
+        it is read only when a proposer uses it."""
         t = loading.load(target, dtype)
         d = loading.load(draft, draft_dtype or dtype) if draft else None
         if d is not None:
             check_compatible(t, d)
-        gen = cls(t, d)
+        path = heads.shipped(t.name) if head == "auto" else head
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"no draft head at {path}")
+        gen = cls(t, d, head_path=Path(path) if path else None)
         tok = t.tokenizer
         ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
         vocab = tok.get_vocab()
         ids |= {vocab[s] for s in _EOS_STRINGS if s in vocab}
         gen.eos_token_ids = ids
         return gen
+
+    def draft_head(self) -> DraftHead:
+        if self._head is None:
+            if self.head_path is None:
+                raise ValueError(f"proposer 'head' needs a draft head: {self.target.name} has none shipped; "
+                                 "train one with `specdec train-head` and pass its file (head=PATH)")
+            self._head = heads.load_head(self.head_path, self.target)
+        return self._head
 
     def make_proposer(self, kind: str, capacity: int, ngram=(2, 4), exit_layer: int | None = None):
         return _make_proposer(self, kind, capacity, ngram, exit_layer)
@@ -73,7 +95,7 @@ class TextGenerator:
         params: SamplingParams,
         max_new_tokens: int,
         *,
-        k: int | str = 0,
+        k: int | str = "auto",
         seed: int = 0,
         stop: list[str] | None = None,
         on_text: Callable[[int, str], None] | None = None,
@@ -82,9 +104,11 @@ class TextGenerator:
         ngram: tuple[int, int] = (2, 4),
         exit_layer: int | None = None,
     ) -> list[TextResult]:
-        """Generate for token-id prompts. ``proposer``: None (plain decoding), "draft" (the loaded
-        draft model; the default when one is loaded and k != 0), "ngram", "early-exit" or
-        "hybrid" (n-gram when it matches, else the draft model or the early exit)."""
+        """Generate for token-id prompts; exact target sampling whatever speculates.
+
+        ``proposer``: one of :data:`PROPOSERS` ("none": plain decoding), or None for the default
+        (:func:`resolve_proposer`: the draft model if one is loaded, else the target's draft head
+        if it has one, else plain decoding). ``k``: draft tokens per step or "auto"; 0 = plain."""
         stop = [s for s in (stop or []) if s]
         # Per row: the text so far, decoded a few tokens at a time, and where a stop string starts.
         texts = [IncrementalDetokenizer(self.target.tokenizer) for _ in prompts]
@@ -104,8 +128,7 @@ class TextGenerator:
                 on_text(row, text[emitted[row] : end])
                 emitted[row] = end
 
-        if proposer is None and self.draft is not None and k != 0:
-            proposer = "draft"
+        proposer = resolve_proposer(proposer, draft=self.draft is not None, head=self.head_path is not None) if k != 0 else None
         capacity = max(len(p) for p in prompts) + max_new_tokens + max(k_max, k if isinstance(k, int) else 0) + 2
         impl = self.make_proposer(proposer, capacity, ngram, exit_layer) if proposer and k != 0 else None
         rows: list[RowResult] = generate(
@@ -130,19 +153,43 @@ class TextGenerator:
         return out
 
 
+def resolve_proposer(requested: str | None, *, draft: bool, head: bool) -> str | None:
+    """The proposer to use (None: plain decoding) — the one place the default is decided."""
+    if requested is not None and requested not in PROPOSERS:
+        raise ValueError(f"unknown proposer {requested!r}; choose one of {', '.join(PROPOSERS)}")
+    if requested == "none":
+        return None
+    if requested is not None:
+        return requested
+    return "draft" if draft else DEFAULT_HEAD_PROPOSER if head else None
+
+
+def hybrid_model(kind: str | None, *, draft: bool, head: bool) -> str | None:
+    """What backs a hybrid proposer's model side: "hybrid-head" the draft head; "hybrid" the
+    draft model if one is loaded, else the head if there is one, else the early exit."""
+    if kind == "hybrid-head":
+        return "head"
+    if kind != "hybrid":
+        return None
+    return "draft" if draft else "head" if head else "early-exit"
+
+
 def _make_proposer(gen: "TextGenerator", kind: str, capacity: int, ngram: tuple[int, int], exit_layer: int | None):
-    if kind not in PROPOSERS:
-        raise ValueError(f"unknown proposer {kind!r}; choose one of {', '.join(PROPOSERS)}")
+    if kind not in PROPOSERS or kind == "none":
+        raise ValueError(f"unknown proposer {kind!r}; choose one of {', '.join(p for p in PROPOSERS if p != 'none')}")
     if kind == "ngram":
         return NgramProposer(*ngram)
     if kind == "draft" and gen.draft is None:
-        raise ValueError("--proposer draft needs a draft model (--draft NAME_OR_PATH)")
-    if kind == "early-exit" or (kind == "hybrid" and gen.draft is None):
+        raise ValueError("proposer 'draft' needs a draft model (draft=NAME_OR_PATH)")
+    backing = hybrid_model(kind, draft=gen.draft is not None, head=gen.head_path is not None)
+    if kind == "head" or backing == "head":
+        model_draft = HeadProposer(gen.draft_head(), capacity)
+    elif kind == "early-exit" or backing == "early-exit":
         layers = exit_layer or max(1, gen.target.model.cfg.num_layers // 4)
         model_draft = DraftModelProposer(gen.target.model.truncated(layers), capacity)
     else:
         model_draft = DraftModelProposer(gen.draft.model, capacity)
-    if kind == "hybrid":
+    if backing is not None:
         return HybridProposer(NgramProposer(*ngram), model_draft)
     return model_draft
 

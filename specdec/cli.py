@@ -96,6 +96,14 @@ def _run_models(args: argparse.Namespace) -> int:
         aliases = [a for a, n in registry.ALIASES.items() if n == spec.name]
         rows.append({"name": spec.name, "aliases": aliases, "role": spec.role, "status": status,
                      "description": spec.description, "path": str(converted if status == "ready" else spec.gguf_path)})
+    from specdec.models import heads
+
+    for target_name, file_name in heads.SHIPPED.items():
+        path = heads.shipped(target_name)
+        rows.append({"name": file_name.removesuffix(".safetensors"), "aliases": [], "role": "draft head",
+                     "status": "shipped" if path else "missing",
+                     "description": f"trained draft head for {target_name} (`--proposer head`; the default proposer)",
+                     "path": str(path) if path else ""})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -107,22 +115,91 @@ def _run_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_head(sub: argparse._SubParsersAction) -> None:
+    from specdec.models import registry
+    from specdec.training.train import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser(
+        "train-head",
+        help="train a draft head for a target on this CPU (resumable)",
+        description="Train an EAGLE-style draft head for --target: build a corpus from the Python "
+        "sources and documentation installed on this machine (chat-formatted), extract the target's "
+        "features by prefill, train the head to match the target's own next-token distribution "
+        "(draft steps 1..--passes, each reading the head's own guesses), evaluate on held-out "
+        "text, and write the head file with a model card (.json) next to it. Every stage is kept "
+        "in --workdir: rerunning the same command resumes an interrupted run.",
+    )
+    p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model name or path (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+                   help="the target's runtime dtype whose features the head learns to read (default: %(default)s)")
+    p.add_argument("--out", required=True, help="where to write the head (.safetensors)")
+    p.add_argument("--workdir", default=None, help="corpus, features and checkpoints (default: $SPECDEC_HOME/train-head/TARGET-DTYPE)")
+    p.add_argument("--tokens", type=_int_at_least(1000), default=480_000, help="corpus size in tokens (default: %(default)s)")
+    p.add_argument("--corpus-root", default=None, metavar="DIR",
+                   help="read the corpus from the .py/.md/.rst files under DIR (default: this Python's site-packages)")
+    p.add_argument("--sequences", type=_int_at_least(16), default=None,
+                   help="train on the first N corpus sequences only (data-size studies)")
+    p.add_argument("--steps", type=_int_at_least(1), default=d.steps, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--batch", type=_int_at_least(1), default=d.batch_sequences, help="sequences per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--vocab-size", type=_int_at_least(8), default=d.vocab_size,
+                   help="ids the head can draft, most frequent first (default: %(default)s)")
+    p.add_argument("--intermediate-size", type=_int_at_least(32), default=d.intermediate_size,
+                   help="the head layer's MLP width (default: %(default)s)")
+    p.add_argument("--passes", type=_int_at_least(1), default=d.passes, help="draft steps trained per position (default: %(default)s)")
+    p.add_argument("--seed", type=_int_at_least(0), default=d.seed, help="(default: %(default)s)")
+    p.set_defaults(func=_run_train_head)
+
+
+def _run_train_head(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec.api import TextGenerator
+    from specdec.training.run import default_workdir, run, summary
+    from specdec.training.train import TrainConfig
+
+    if args.vocab_size % 8 or args.intermediate_size % 32:
+        raise UsageError("--vocab-size must be a multiple of 8 and --intermediate-size a multiple of 32")
+    if not 0 < args.lr <= 1:
+        raise UsageError(f"--lr must be in (0, 1], got {args.lr}")
+    out = Path(args.out)
+    if out.suffix != ".safetensors":
+        raise UsageError("--out must end in .safetensors")
+    gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
+    cfg = TrainConfig(vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, passes=args.passes,
+                      steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed)
+    workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, args.dtype)
+    root = Path(args.corpus_root) if args.corpus_root else None
+    if root is not None and not root.is_dir():
+        raise UsageError(f"--corpus-root {root} is not a directory")
+    card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root)
+    print(f"wrote {out} ({card['bytes'] / 1e6:.1f} MB, sha256 {card['sha256'][:16]}…)")
+    print(summary(card))
+    return 0
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     from specdec.models import registry
 
     p = sub.add_parser(
         "generate",
-        help="generate text, plainly or with exact speculative decoding (--draft)",
-        description="Generate a continuation of --prompt with the target model. With --draft, a "
-        "smaller model proposes k tokens per step and the target verifies them in one call; the "
-        "output distribution is exactly the target's (at temperature 0: the same tokens).",
+        help="generate text with exact speculative decoding (on by default; --proposer none: plain)",
+        description="Generate a continuation of --prompt with the target model. A proposer suggests "
+        "k tokens per step and the target verifies them in one call; the output distribution is "
+        "exactly the target's (at temperature 0: the same tokens as plain decoding). By default the "
+        "target's shipped draft head speculates (with n-gram lookup when the text repeats itself, "
+        "k chosen each step); with --draft a smaller model does; --proposer none decodes plainly.",
     )
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name or path to a .gguf file / HF directory (default: %(default)s)")
-    p.add_argument("--draft", default=None, help="draft model name or path; enables speculative decoding")
+    p.add_argument("--draft", default=None, help="draft model name or path (implies --proposer draft)")
     p.add_argument("--proposer", choices=PROPOSERS, default=None,
-                   help="where drafts come from: a draft model (default when --draft is given), n-gram "
-                   "prompt lookup, the target's own first layers, or hybrid (n-gram when it matches, "
-                   "else the draft model / early exit). Without --draft or --proposer: plain decoding")
+                   help="where drafts come from: the target's draft head, a draft model, n-gram prompt "
+                   "lookup, the target's own first layers, hybrid (n-gram when it matches, else the draft "
+                   "model / head / early exit), hybrid-head, or none (plain decoding). Default: draft with "
+                   "--draft, else hybrid over the draft head when the target has one, else none")
+    p.add_argument("--head", default=None, metavar="PATH",
+                   help="draft head file (from `specdec train-head`; default: the one shipped for --target)")
     p.add_argument("--k", type=_k_value, default=None,
                    help="draft tokens per step, or 'auto' (default with a proposer): chosen each step from "
                    "measured costs and acceptance, 0 = no speculation when drafts do not pay")
@@ -183,16 +260,31 @@ def _seed_value(text: str) -> int:
 def _check_generate_options(args: argparse.Namespace) -> str | None:
     """Reject options that would be silently ignored, before anything is loaded; returns the
     proposer (None: plain decoding)."""
-    proposer = args.proposer or ("draft" if args.draft else None)
-    early_exit = proposer == "early-exit" or (proposer == "hybrid" and not args.draft)
+    from specdec.api import hybrid_model, resolve_proposer
+    from specdec.models import heads, registry
+
+    if args.proposer == "draft" and not args.draft:
+        raise UsageError("--proposer draft needs --draft NAME_OR_PATH")
+    if args.draft and args.proposer not in (None, "draft", "hybrid"):
+        raise UsageError(f"--draft has no effect with --proposer {args.proposer}")
+    spec = registry.resolve(args.target)
+    has_head = args.head is not None or (spec is not None and heads.shipped(spec.name) is not None)
+    proposer = resolve_proposer(args.proposer, draft=bool(args.draft), head=has_head)
+    backing = hybrid_model(proposer, draft=bool(args.draft), head=has_head)
+    early_exit = proposer == "early-exit" or backing == "early-exit"
+    uses_head = proposer == "head" or backing == "head"
+    if proposer == "head" and not has_head:
+        raise UsageError(f"--proposer head: {args.target} has no shipped draft head; train one with "
+                         "`specdec train-head` and pass it with --head PATH")
     ignored = [
-        ("--k", args.k is not None and proposer is None, "a proposer (--draft or --proposer)"),
+        ("--k", args.k is not None and proposer is None, "a proposer (--proposer none decodes plainly)"),
+        ("--head", args.head is not None and not uses_head, "--proposer head, hybrid or hybrid-head"),
         ("--k-max", args.k_max is not None and args.k not in (None, "auto"), "--k auto"),
         ("--system", args.system is not None and not args.chat, "--chat"),
         ("--draft-dtype", args.draft_dtype is not None and not args.draft, "--draft"),
         ("--exit-layer", args.exit_layer is not None and not early_exit, "--proposer early-exit (or hybrid without --draft)"),
-        ("--ngram-min/--ngram-max", (args.ngram_min, args.ngram_max) != (None, None) and proposer not in ("ngram", "hybrid"),
-         "--proposer ngram or hybrid"),
+        ("--ngram-min/--ngram-max", (args.ngram_min, args.ngram_max) != (None, None) and proposer not in ("ngram", "hybrid", "hybrid-head"),
+         "--proposer ngram, hybrid or hybrid-head"),
     ]
     for flag, unused, needs in ignored:
         if unused:
@@ -230,14 +322,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
     texts = _read_prompts(args.prompt)
     k = (args.k if args.k is not None else "auto") if proposer else 0
-    gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype)
+    gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
     prompts = [gen.encode(t, args.chat, args.system) for t in texts]
     stream = None
     if not args.json and len(prompts) == 1:
         def stream(row: int, text: str) -> None:
             print(text, end="", flush=True)
     results = gen.generate(prompts, params, args.max_new_tokens, k=k, seed=args.seed,
-                           stop=args.stop, on_text=stream, proposer=proposer, k_max=args.k_max or 8,
+                           stop=args.stop, on_text=stream, proposer=proposer or "none", k_max=args.k_max or 8,
                            ngram=(args.ngram_min or 2, args.ngram_max or 4), exit_layer=args.exit_layer)
     if args.json:
         def one(r):
@@ -263,7 +355,12 @@ def _summary(m: dict, gen, dtype: str, proposer: str | None, k) -> str:
     acc = m["acceptance"]
     how = " | plain decoding"
     if proposer:
-        how = f" | proposer {proposer}" + (f" ({gen.draft.name})" if proposer in ("draft", "hybrid") and gen.draft else "") + f" k={k}"
+        from specdec.api import hybrid_model
+
+        backing = hybrid_model(proposer, draft=gen.draft is not None, head=gen.head_path is not None)
+        model = gen.draft.name if gen.draft and "draft" in (proposer, backing) else (
+            f"draft head {gen.head_path.name}" if "head" in (proposer, backing) else None)
+        how = f" | proposer {proposer}" + (f" ({model})" if model else "") + f" k={k}"
     lines = [
         "",
         f"target {gen.target.name}{how} | {dtype}",
@@ -442,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_toy(sub)
     _add_models(sub)
     _add_generate(sub)
+    _add_train_head(sub)
     _add_profile(sub)
     _add_bench(sub)
     _add_verify(sub)

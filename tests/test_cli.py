@@ -55,11 +55,16 @@ def _one_line(err: str) -> str:
         (["--system", "be brief"], "--system has no effect without --chat"),
         (["--draft-dtype", "float32"], "--draft-dtype has no effect without --draft"),
         (["--exit-layer", "2"], "--exit-layer has no effect without --proposer early-exit"),
-        (["--proposer", "draft", "--exit-layer", "2"], "--exit-layer has no effect"),
+        (["--proposer", "draft", "--draft", "small", "--exit-layer", "2"], "--exit-layer has no effect"),
         (["--ngram-min", "3"], "--ngram-min/--ngram-max has no effect"),
         (["--proposer", "ngram", "--ngram-min", "5", "--ngram-max", "3"], "must be <= --ngram-max"),
         (["--proposer", "ngram", "--k", "3", "--k-max", "4"], "--k-max has no effect without --k auto"),
         (["--prompt", "\udcff\udcfe"], "not valid UTF-8"),
+        (["--proposer", "none", "--k", "3"], "--k has no effect without a proposer"),
+        (["--proposer", "ngram", "--head", "h.safetensors"], "--head has no effect"),
+        (["--proposer", "head"], "has no shipped draft head"),
+        (["--proposer", "draft"], "--proposer draft needs --draft"),
+        (["--draft", "small", "--proposer", "ngram"], "--draft has no effect with --proposer ngram"),
     ],
 )
 def test_bad_options_fail_in_one_line_before_loading(capsys, extra, message):
@@ -158,3 +163,41 @@ def test_an_unexpected_error_is_one_line_with_a_hint(capsys, model_dir, monkeypa
     code, _, err = _run(capsys, "generate", "--target", model_dir, "--prompt", "abc", "--json")
     assert code == 1
     assert "internal error: ZeroDivisionError: boom" in err.splitlines()[-1]
+
+
+def test_train_head_then_generate_with_it(capsys, tmp_path):
+    """`specdec train-head` end to end on a tiny model and a tiny corpus (resumable stages), then
+    `generate --head` with the result: the same tokens as plain decoding (greedy)."""
+    hf = hf_tiny("llama")
+    model = save_hf_dir(hf, tmp_path / "model")
+    tok_config = model / "tokenizer_config.json"
+    config = json.loads(tok_config.read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tok_config.write_text(json.dumps(config))
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for i in range(40):
+        body = "".join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(40))
+        (sources / f"m{i}.py").write_text(body)
+    out = tmp_path / "head.safetensors"
+    args = ["train-head", "--target", str(model), "--dtype", "float32", "--out", str(out), "--tokens", "20000",
+            "--steps", "4", "--batch", "2", "--vocab-size", "64", "--intermediate-size", "64", "--passes", "2",
+            "--corpus-root", str(sources), "--workdir", str(tmp_path / "work")]
+    code, stdout, err = _run(capsys, *args)
+    assert code == 0, err
+    assert "wrote" in stdout and "held-out acceptance per draft position" in stdout
+    card = json.loads(out.with_suffix(".json").read_text())
+    assert card["corpus"]["sequences"] >= 16 and len(card["held_out"]["greedy"]) == 2
+    code, stdout, err = _run(capsys, *args)  # everything is there: nothing is redone
+    assert code == 0 and "extract features" not in err
+
+    base = ["generate", "--target", str(model), "--dtype", "float32", "--prompt", "def f(x):", "--max-new-tokens", "12",
+            "--json"]
+    code, plain, err = _run(capsys, *base, "--proposer", "none")
+    assert code == 0, err
+    for proposer in ("head", "hybrid-head"):
+        code, spec, err = _run(capsys, *base, "--proposer", proposer, "--head", str(out), "--k", "3")
+        assert code == 0, err
+        assert json.loads(spec)["token_ids"] == json.loads(plain)["token_ids"]
+    code, _, err = _run(capsys, "train-head", "--target", str(model), "--out", str(tmp_path / "h.bin"))
+    assert code == 2 and "--out must end in .safetensors" in err

@@ -7,7 +7,9 @@ Methods (``--methods``, comma-separated):
 * ``plain`` — our plain decoding;
 * ``draft``, ``draft_auto``, ``ngram``, ``early_exit``, ``hybrid`` — our speculative variants
   (``draft`` with fixed ``--k``, the others with adaptive k);
-* ``ngram_kN`` / ``draft_kN`` — fixed k = N, for the speed-up-against-k plot.
+* ``head``, ``head_auto``, ``hybrid_head`` — the target's draft head (fixed ``--k`` / adaptive k /
+  with n-gram lookup when it matches, adaptive k);
+* ``ngram_kN`` / ``draft_kN`` / ``head_kN`` — fixed k = N, for the speed-up-against-k plot.
 
 Every run is appended to ``runs.jsonl`` in ``--out`` as soon as it finishes, and a rerun skips
 runs already there, so an interrupted bench resumes. At the end ``results.json`` (all runs, the
@@ -34,7 +36,7 @@ from specdec.sampling import SamplingParams
 
 ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",
                "early_exit", "hybrid", "ngram_k1", "ngram_k2", "ngram_k4", "ngram_k8",
-               "draft_k1", "draft_k2", "draft_k4", "draft_k8"]
+               "draft_k1", "draft_k2", "draft_k4", "draft_k8", "head", "head_auto", "hybrid_head"]
 QUICK_METHODS = ["hf_plain", "hf_assisted", "plain", "draft_auto", "ngram", "hybrid", "ngram_k2", "ngram_k8"]
 
 
@@ -47,9 +49,9 @@ def _method_spec(method: str, k_fixed: int) -> tuple[str | None, int | str]:
     """(proposer, k) for our methods."""
     if method == "plain":
         return None, 0
-    if method == "draft":
-        return "draft", k_fixed
-    if method.endswith("_auto") or method in ("ngram", "early_exit", "hybrid"):
+    if method in ("draft", "head"):
+        return method, k_fixed
+    if method.endswith("_auto") or method in ("ngram", "early_exit", "hybrid", "hybrid_head"):
         return method.replace("_auto", "").replace("_", "-"), "auto"
     name, k = method.rsplit("_k", 1)
     return name, int(k)

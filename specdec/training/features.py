@@ -32,6 +32,8 @@ def extract(target: Transformer, sequences: list[list[int]], directory: Path) ->
     directory.mkdir(parents=True, exist_ok=True)
     shards = range(0, len(sequences), SHARD)
     todo = [s for s in shards if not shard_path(directory, s // SHARD).exists()]
+    if not todo:
+        return
     total = sum(len(sequences[i]) for s in todo for i in range(s, min(s + SHARD, len(sequences))))
     with tqdm(total=total, unit="tok", desc="extract features", smoothing=0.1) as bar:
         for start in todo:

@@ -21,7 +21,7 @@ from specdec.training.train import Dataset, TrainConfig, evaluate, head_config, 
 
 
 def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: TrainConfig,
-        eos_ids: set[int], max_sequences: int | None = None) -> dict:
+        eos_ids: set[int], max_sequences: int | None = None, corpus_root: Path | None = None) -> dict:
     """Train a head for ``target`` (its runtime dtype is the one whose features the head learns
     to read) and write it to ``out``; returns the model card."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -35,7 +35,7 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     else:
         data = None
     if data is None:
-        data = corpus.build(target.tokenizer, max_tokens, seed=cfg.seed)
+        data = corpus.build(target.tokenizer, max_tokens, seed=cfg.seed, root=corpus_root)
         corpus.save(data, corpus_path)
     sequences = data["sequences"][:max_sequences]
     stages["corpus_seconds"] = round(time.perf_counter() - t, 1)

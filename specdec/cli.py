@@ -370,7 +370,8 @@ def _summary(m: dict, gen, dtype: str, proposer: str | None, k) -> str:
     if proposer:
         lines.append(
             f"  accepted/call {acc['mean_accepted_per_call']:.2f}   acceptance {acc['acceptance_rate']:.1%}   "
-            f"full accepts {acc['full_acceptance_rate']:.1%}   first rejection at {acc['first_rejection_histogram']}"
+            f"full accepts {acc['full_acceptance_rate']:.1%}   per position "
+            + " ".join(f"{a:.2f}" for a in acc["acceptance_per_position"])
         )
     b = m["time_breakdown_s"]
     lines.append("  time (s): " + "  ".join(f"{k} {v:.2f}" for k, v in b.items()))
@@ -441,7 +442,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=registry.DEFAULT_TARGET)
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT)
     p.add_argument("--dtype", choices=["int8", "q4", "float32"], default="int8")
-    p.add_argument("--k", type=int, default=4, help="k of the fixed-k 'draft' method (default: %(default)s)")
+    p.add_argument("--head", default=None, metavar="PATH",
+                   help="draft head for the head methods (default: the one shipped for --target)")
+    p.add_argument("--k", type=int, default=4, help="k of the fixed-k 'draft' and 'head' methods (default: %(default)s)")
     p.add_argument("--k-max", type=int, default=8)
     p.set_defaults(func=_run_bench)
 
@@ -460,7 +463,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     tokens = args.max_new_tokens or (32 if args.quick else 64)
     out = Path(args.out)
     categories = args.categories.split(",") if args.categories else None
-    run_bench(out, methods, temps, per_cat, args.target, args.draft, args.dtype, tokens, args.k, args.k_max, categories)
+    run_bench(out, methods, temps, per_cat, args.target, args.draft, args.dtype, tokens, args.k, args.k_max, categories,
+              head=args.head or "auto")
     print((out / "report.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots in {out}")
     return 0

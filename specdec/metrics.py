@@ -24,6 +24,10 @@ class AcceptanceStats:
     # first_rejection[i] = calls whose first rejected draft was at position i (0-based);
     # calls where every draft was accepted are counted in full_accepts instead.
     first_rejection: list[int] = field(default_factory=list)
+    # Per draft position i (0-based), as vLLM's per-position counters: calls that reached i (drafted
+    # it with every earlier draft accepted) and calls that accepted it.
+    reached_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
@@ -32,6 +36,14 @@ class AcceptanceStats:
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.k_max = max(self.k_max, num_drafted)
+        grow = num_drafted - len(self.reached_at)
+        if grow > 0:
+            self.reached_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(min(num_accepted + 1, num_drafted)):
+            self.reached_at[i] += 1
+        for i in range(num_accepted):
+            self.accepted_at[i] += 1
         if num_accepted == num_drafted:
             self.full_accepts += 1
         else:
@@ -43,12 +55,15 @@ class AcceptanceStats:
         out = AcceptanceStats(max(self.k_max, other.k_max), self.calls + other.calls, self.drafted + other.drafted,
                               self.accepted + other.accepted, self.full_accepts + other.full_accepts)
         n = max(len(self.first_rejection), len(other.first_rejection))
-        out.first_rejection = [
-            (self.first_rejection[i] if i < len(self.first_rejection) else 0)
-            + (other.first_rejection[i] if i < len(other.first_rejection) else 0)
-            for i in range(n)
-        ]
+        out.first_rejection = _add(self.first_rejection, other.first_rejection)
+        out.reached_at = _add(self.reached_at, other.reached_at)
+        out.accepted_at = _add(self.accepted_at, other.accepted_at)
         return out
+
+    def per_position(self) -> list[float]:
+        """Acceptance rate of each draft position given that every earlier one was accepted
+        (``a_i`` of the adaptive controller and of ``specdec profile``)."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached_at)]
 
     def to_dict(self) -> dict:
         return {
@@ -59,7 +74,14 @@ class AcceptanceStats:
             "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "full_acceptance_rate": self.full_accepts / self.calls if self.calls else 0.0,
             "first_rejection_histogram": list(self.first_rejection),
+            "acceptance_per_position": [round(a, 4) for a in self.per_position()],
+            "reached_per_position": list(self.reached_at),
         }
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from specdec.bench import suite
-from specdec.bench.profile import acceptance_per_position
+from specdec.metrics import AcceptanceStats
 
 
 def _run(method, category, prompt, temp, tps, tokens, acc=None):
@@ -61,7 +61,17 @@ def test_workloads_have_six_categories_of_eight():
     assert len(w) >= 6 and all(len(c["prompts"]) >= 8 for c in w.values())
 
 
-def test_acceptance_per_position_from_histogram():
+def test_acceptance_per_position_counters():
     # 10 calls with k=3: first rejection at 0 (2 calls), at 2 (3 calls), 5 full accepts
-    a = acceptance_per_position([2, 0, 3], 5, 3)
-    assert a == [8 / 10, 8 / 8, 5 / 8]
+    stats = AcceptanceStats()
+    for accepted in [0, 0, 2, 2, 2, 3, 3, 3, 3, 3]:
+        stats.record(3, accepted)
+    assert stats.per_position() == [8 / 10, 8 / 8, 5 / 8]
+    assert stats.first_rejection == [2, 0, 3] and stats.full_accepts == 5
+    # ragged k (adaptive): a call with k=1 reaches only position 0
+    stats.record(1, 1)
+    stats.record(5, 4)
+    assert stats.reached_at == [12, 9, 9, 1, 1] and stats.accepted_at == [10, 9, 6, 1, 0]
+    merged = stats.merge(stats)
+    assert merged.reached_at == [24, 18, 18, 2, 2] and merged.per_position() == stats.per_position()
+    assert stats.to_dict()["acceptance_per_position"] == [round(10 / 12, 4), 1.0, round(6 / 9, 4), 1.0, 0.0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -10,9 +9,9 @@ import torch
 import specdec.verify as verify_module
 from specdec.engine import generate
 from specdec.proposers import DraftModelProposer
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingParams
 from stats import ALPHA, chi_square_pvalue
-from tiny_models import hf_tiny, ours
+from tiny_models import exact_joint, hf_tiny, ours
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3]]
@@ -159,21 +158,7 @@ def small_pair():
 
 
 def _exact_joint(target) -> torch.Tensor:
-    """p(t1, t2, t3 | PROMPT) by enumerating the target's conditionals: ``[V, V, V]``."""
-    joint = torch.zeros(V_SMALL, V_SMALL, V_SMALL, dtype=torch.float64)
-
-    def next_probs(prefixes):
-        batch = torch.tensor(prefixes)
-        logits = target(batch, target.new_cache(len(prefixes), 16))[:, -1]
-        return probs_from_logits(logits, PARAMS).double()
-
-    p1 = next_probs([PROMPT])[0]
-    p2 = next_probs([PROMPT + [a] for a in range(V_SMALL)])
-    pairs = list(itertools.product(range(V_SMALL), repeat=2))
-    p3 = next_probs([PROMPT + [a, b] for a, b in pairs])
-    for idx, (a, b) in enumerate(pairs):
-        joint[a, b] = p1[a] * p2[a, b] * p3[idx]
-    return joint
+    return exact_joint(target, PROMPT, PARAMS, V_SMALL)
 
 
 def _sampled_joint_counts(target, draft, k) -> tuple[torch.Tensor, float]:

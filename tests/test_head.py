@@ -4,7 +4,6 @@ training that learns and resumes exactly, head files."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
@@ -13,11 +12,11 @@ import specdec.verify as verify_module
 from specdec.engine import generate
 from specdec.proposers import HybridProposer, NgramProposer
 from specdec.proposers.head import DraftHead, HeadConfig, HeadNet, HeadProposer, read_head, save_head
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingParams
 from specdec.training import features
 from specdec.training.train import Dataset, TrainConfig, evaluate, train, vocab_subset
 from stats import ALPHA, chi_square_pvalue
-from tiny_models import hf_tiny, ours
+from tiny_models import exact_joint, hf_tiny, ours
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3]]
@@ -220,19 +219,7 @@ def small():
 
 
 def _exact_joint(target) -> torch.Tensor:
-    joint = torch.zeros(V_SMALL, V_SMALL, V_SMALL, dtype=torch.float64)
-
-    def next_probs(prefixes):
-        logits = target(torch.tensor(prefixes), target.new_cache(len(prefixes), 16))[:, -1]
-        return probs_from_logits(logits, PARAMS).double()
-
-    p1 = next_probs([PROMPT])[0]
-    p2 = next_probs([PROMPT + [a] for a in range(V_SMALL)])
-    pairs = list(itertools.product(range(V_SMALL), repeat=2))
-    p3 = next_probs([PROMPT + [a, b] for a, b in pairs])
-    for idx, (a, b) in enumerate(pairs):
-        joint[a, b] = p1[a] * p2[a, b] * p3[idx]
-    return joint
+    return exact_joint(target, PROMPT, PARAMS, V_SMALL)
 
 
 def _counts(target, head, k):

@@ -75,7 +75,7 @@ def test_text_generator_end_to_end_with_stop_string(hf_dir):
     directory, _ = hf_dir
     gen = TextGenerator.load(str(directory), str(directory), dtype="int8")
     prompt = [5, 6, 7]  # (AutoTokenizer maps this test tokenizer to Qwen2Tokenizer, which cannot encode "w5")
-    plain = gen.generate([prompt], loading_params(), 12)[0]
+    plain = gen.generate([prompt], loading_params(), 12, proposer="none")[0]
     spec = gen.generate([prompt], loading_params(), 12, k=3, proposer="draft")[0]
     assert spec.token_ids == plain.token_ids
     stop = gen.decode(plain.token_ids[2:3])

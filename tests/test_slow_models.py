@@ -42,8 +42,21 @@ def test_fp32_greedy_matches_transformers(name):
 def test_default_pair_speculative_greedy_equals_plain(dtype):
     gen = TextGenerator.load("target", "draft", dtype=dtype)
     prompts = [gen.encode(p, chat=True) for p in CODE_PROMPTS[:2]]
-    plain = gen.generate(prompts, GREEDY, 48)
+    plain = gen.generate(prompts, GREEDY, 48, proposer="none")
     for k in [2, 4]:
         spec = gen.generate(prompts, GREEDY, 48, k=k)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+        assert spec[0].batch_metrics.acceptance.accepted > 0
+
+
+def test_default_target_speculates_with_its_shipped_head_and_stays_exact():
+    """The default configuration (no proposer named: the shipped head, hybrid with n-gram lookup,
+    k auto) and the head alone at k = 4 give plain decoding's greedy tokens on the q4 target."""
+    gen = TextGenerator.load("target", dtype="q4")
+    assert gen.head_path is not None, "the default target ships a draft head"
+    prompts = [gen.encode(p, chat=True) for p in CODE_PROMPTS[:2]]
+    plain = gen.generate(prompts, GREEDY, 48, proposer="none")
+    for proposer, k in ((None, "auto"), ("head", 4)):
+        spec = gen.generate(prompts, GREEDY, 48, proposer=proposer, k=k)
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
         assert spec[0].batch_metrics.acceptance.accepted > 0

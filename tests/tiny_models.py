@@ -66,3 +66,25 @@ def save_hf_dir(hf_model, directory):
     hf_model.save_pretrained(directory)
     char_tokenizer().save_pretrained(directory)
     return directory
+
+
+def exact_joint(target, prompt: list[int], params, vocab: int):
+    """p(t1, t2, t3 | prompt) ``[V, V, V]`` by enumerating the target's processed conditionals
+    (for chi-square tests of the first three generated tokens on a tiny vocabulary)."""
+    import itertools
+
+    from specdec.sampling import probs_from_logits
+
+    joint = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+
+    def next_probs(prefixes):
+        logits = target(torch.tensor(prefixes), target.new_cache(len(prefixes), len(prefixes[0]) + 1))[:, -1]
+        return probs_from_logits(logits, params).double()
+
+    p1 = next_probs([prompt])[0]
+    p2 = next_probs([prompt + [a] for a in range(vocab)])
+    pairs = list(itertools.product(range(vocab), repeat=2))
+    p3 = next_probs([prompt + [a, b] for a, b in pairs])
+    for idx, (a, b) in enumerate(pairs):
+        joint[a, b] = p1[a] * p2[a, b] * p3[idx]
+    return joint

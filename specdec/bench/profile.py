@@ -21,17 +21,6 @@ def _decode_rate(results) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def acceptance_per_position(first_rejection: list[int], full_accepts: int, k: int) -> list[float]:
-    """``a_i`` for i = 1..k from a first-rejection histogram of fixed-k steps."""
-    hist = first_rejection + [0] * (k - len(first_rejection))
-    out = []
-    for i in range(k):
-        reached = sum(hist[i:]) + full_accepts  # steps whose first i drafts were all accepted
-        accepted = sum(hist[i + 1 :]) + full_accepts
-        out.append(accepted / reached if reached else 0.0)
-    return out
-
-
 def profile(gen, prompts: list[list[int]], proposer: str, params, max_new_tokens: int, k_max: int, **kw) -> dict:
     context = max(len(p) for p in prompts)
     v = forward_scaling(gen.target.model, context=context, sizes=tuple(range(1, k_max + 2)), repeats=3)
@@ -47,7 +36,7 @@ def profile(gen, prompts: list[list[int]], proposer: str, params, max_new_tokens
     stats = fixed[0].batch_metrics.acceptance
     for r in fixed[1:]:
         stats = stats.merge(r.batch_metrics.acceptance)
-    accept = acceptance_per_position(stats.first_rejection, stats.full_accepts, k_max)
+    accept = stats.per_position() + [0.0] * (k_max - len(stats.per_position()))
     draft_time = sum(r.batch_metrics.timings.draft for r in fixed)
     draft_per_token = draft_time / max(1, stats.drafted)
     k_star = best_k(accept, draft_per_token, verify, k_max)

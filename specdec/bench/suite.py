@@ -58,10 +58,11 @@ def _method_spec(method: str, k_fixed: int) -> tuple[str | None, int | str]:
 
 
 class Bench:
-    def __init__(self, target: str, draft: str, dtype: str, max_new_tokens: int, k: int, k_max: int):
+    def __init__(self, target: str, draft: str, dtype: str, max_new_tokens: int, k: int, k_max: int,
+                 head: str | Path | None = "auto"):
         from specdec.api import TextGenerator
 
-        self.gen = TextGenerator.load(target, draft, dtype)
+        self.gen = TextGenerator.load(target, draft, dtype, head=head)
         self.gen.eos_token_ids = set()  # every method generates exactly max_new_tokens
         self.dtype, self.max_new_tokens, self.k, self.k_max = dtype, max_new_tokens, k, k_max
         self._hf = None
@@ -98,7 +99,7 @@ class Bench:
 
 def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_per_category: int | None,
               target: str, draft: str, dtype: str, max_new_tokens: int, k: int, k_max: int,
-              categories: list[str] | None = None) -> dict:
+              categories: list[str] | None = None, head: str | Path | None = "auto") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
     done = {}
@@ -126,7 +127,7 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
                         continue  # the k sweep is greedy only
                     jobs.append((method, category, i, spec["prompts"][i], temp))
     todo = [j for j in jobs if (j[0], j[1], j[2], j[4]) not in done]
-    bench = Bench(target, draft, dtype, max_new_tokens, k, k_max) if todo else None
+    bench = Bench(target, draft, dtype, max_new_tokens, k, k_max, head) if todo else None
     with open(log, "a") as f:
         for method, category, i, prompt, temp in tqdm(todo, desc="specdec bench", unit="run"):
             record = {"method": method, "category": category, "prompt": i, "temperature": temp}

@@ -227,32 +227,15 @@ class Transformer(torch.nn.Module):
         return out
 
     @torch.inference_mode()
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache,
-        *,
-        tree_mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        logit_index: torch.Tensor | None = None,
-        return_hidden: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Append ``tokens`` ``[B, T]`` to ``cache`` and return logits ``[B, T', V]`` (fp32).
-
-        tree_mask: ``[B, T, T]`` bool, which block tokens each block token may attend to
-            (default: causal). Committed slots are always visible.
-        positions: ``[B, T]`` rope positions (default: the slots, i.e. a linear chain).
-        logit_index: ``[B, T']`` block indices to compute logits for (default: all T).
-        return_hidden: also return the last block's output (before the final norm) at every block
-            position, ``[B, T, E]`` — the features a draft head reads; it is computed anyway.
-        """
+    def forward(self, tokens: torch.Tensor, cache: KVCache, **options) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Append ``tokens`` ``[B, T]`` to ``cache`` and return logits ``[B, T', V]`` (fp32); the
+        ``options`` are :meth:`forward_embeds`'s."""
         if tokens.shape[1] == 0:
             raise ValueError("forward needs at least one token")
         x = self.embed[tokens]  # [B, T, E]
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        return self.forward_embeds(x, cache, tree_mask=tree_mask, positions=positions,
-                                   logit_index=logit_index, return_hidden=return_hidden)
+        return self.forward_embeds(x, cache, **options)
 
     @torch.inference_mode()
     def forward_embeds(
@@ -265,8 +248,16 @@ class Transformer(torch.nn.Module):
         logit_index: torch.Tensor | None = None,
         return_hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` from input vectors ``x`` ``[B, T, E]`` instead of token ids (a draft
-        head feeds its own projected features)."""
+        """Append input vectors ``x`` ``[B, T, E]`` (embedded tokens, or a draft head's projected
+        features) to ``cache`` and return logits ``[B, T', V]`` (fp32).
+
+        tree_mask: ``[B, T, T]`` bool, which block tokens each block token may attend to
+            (default: causal). Committed slots are always visible.
+        positions: ``[B, T]`` rope positions (default: the slots, i.e. a linear chain).
+        logit_index: ``[B, T']`` block indices to compute logits for (default: all T).
+        return_hidden: also return the last block's output (before the final norm) at every block
+            position, ``[B, T, E]`` — the features a draft head reads; it is computed anyway.
+        """
         bsz, t, _ = x.shape
         if bsz != cache.batch:
             raise ValueError(f"tokens have batch {bsz} but the cache has {cache.batch}")

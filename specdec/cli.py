@@ -390,8 +390,10 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--target", default=registry.DEFAULT_TARGET)
     p.add_argument("--draft", default=None)
-    p.add_argument("--proposer", choices=PROPOSERS, default=None,
+    p.add_argument("--proposer", choices=[p for p in PROPOSERS if p != "none"], default=None,
                    help="default: draft if --draft is given, else ngram")
+    p.add_argument("--head", default=None, metavar="PATH",
+                   help="draft head for --proposer head/hybrid-head (default: the one shipped for --target)")
     p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable); default: built-in code prompts")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -412,7 +414,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     proposer = args.proposer or ("draft" if args.draft else "ngram")
     params = SamplingParams(temperature=args.temperature)  # validated before loading
     texts = _read_prompts(args.prompt or CODE_PROMPTS)
-    gen = TextGenerator.load(args.target, args.draft, args.dtype)
+    gen = TextGenerator.load(args.target, args.draft, args.dtype, head=args.head or "auto")
     prompts = [gen.encode(t, chat=args.chat or not args.prompt) for t in texts]
     result = profile(gen, prompts, proposer, params, args.max_new_tokens,
                      args.k_max, exit_layer=args.exit_layer)

@@ -1,7 +1,8 @@
 """A trained draft head (EAGLE-style) that reads the target's own features.
 
 Input at slot ``s``: the target's last-block output ``h_s`` (the feature of position ``s``) and
-the embedding of the token at ``s + 1``, projected ``2E -> E`` by ``fc``; then one decoder layer
+the embedding of the token at ``s + 1``, each RMS-normalised (the features carry outliers ~100x
+the embeddings' scale), concatenated and projected ``2E -> E`` by ``fc``; then one decoder layer
 of the target's shape (its own KV cache, causal attention over the head's earlier slots); its
 output ``f_s`` is a guess of ``h_{s+1}``, and the target's final norm and output rows restricted to
 a frequency-ranked subset ``S`` of the vocabulary turn it into the draft distribution of the token
@@ -94,6 +95,8 @@ class HeadNet(torch.nn.Module):
         self.biases = torch.nn.ParameterDict(
             {p: torch.nn.Parameter(torch.zeros(n)) for p, n in (("q", q), ("k", kv), ("v", kv))} if cfg.attention_bias else {}
         )
+        self.norm_feature = torch.nn.Parameter(torch.ones(e))
+        self.norm_embed = torch.nn.Parameter(torch.ones(e))
         self.norm_in = torch.nn.Parameter(torch.ones(e))
         self.norm_post = torch.nn.Parameter(torch.ones(e))
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
@@ -104,6 +107,8 @@ class HeadNet(torch.nn.Module):
     def export(self) -> dict[str, torch.Tensor]:
         """HF-style tensors of the trainable part (what :func:`save_head` writes)."""
         out = {"fc.weight": self.fc.detach().clone(),
+               "feature_norm.weight": self.norm_feature.detach().clone(),
+               "embed_norm.weight": self.norm_embed.detach().clone(),
                LAYER + "input_layernorm.weight": self.norm_in.detach().clone(),
                LAYER + "post_attention_layernorm.weight": self.norm_post.detach().clone()}
         for name in _LINEARS:
@@ -115,6 +120,8 @@ class HeadNet(torch.nn.Module):
     def load_export(self, state: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             self.fc.copy_(state["fc.weight"])
+            self.norm_feature.copy_(state["feature_norm.weight"])
+            self.norm_embed.copy_(state["embed_norm.weight"])
             self.norm_in.copy_(state[LAYER + "input_layernorm.weight"])
             self.norm_post.copy_(state[LAYER + "post_attention_layernorm.weight"])
             for name in _LINEARS:
@@ -126,6 +133,10 @@ class HeadNet(torch.nn.Module):
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's own logits over the subset from its features ``[..., E]`` -> ``[..., N]``."""
         return F.linear(rms_norm(hidden.float(), self.final_norm, self.cfg.rms_norm_eps, False), self.lm_rows)
+
+    def fc_input(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        return torch.cat([rms_norm(feats, self.norm_feature, eps, False), rms_norm(emb, self.norm_embed, eps, False)], -1)
 
     def _proj(self, x: torch.Tensor, name: str, bias: str | None = None) -> torch.Tensor:
         b = self.biases[bias] if bias is not None and bias in self.biases else None
@@ -151,7 +162,7 @@ class HeadNet(torch.nn.Module):
         for m in range(1, num_passes + 1):
             if m > 1:  # the previous pass's guess at the slot before
                 feats = torch.cat([feats.new_zeros(bsz, 1, e), outs[-1][:, :-1]], 1)
-            x = F.linear(torch.cat([feats, emb], -1), self.fc)  # [B, L, E]
+            x = F.linear(self.fc_input(feats, emb), self.fc)  # [B, L, E]
             h = rms_norm(x, self.norm_in, cfg.rms_norm_eps, False)
             q = self._proj(h, "self_attn.q_proj", "q").view(bsz, length, cfg.num_heads, cfg.head_dim).transpose(1, 2)
             k = self._proj(h, "self_attn.k_proj", "k").view(bsz, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -211,6 +222,8 @@ class DraftHead:
         self.body = Transformer(body_cfg, weights, dtype)
         self.fc = LinearBuilder(dtype)("fc", lambda: state["fc.weight"])
         self.body.quantized_state = {}
+        self.norm_feature = state["feature_norm.weight"].to(target.act_dtype)
+        self.norm_embed = state["embed_norm.weight"].to(target.act_dtype)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return self.body.new_cache(batch, capacity)
@@ -220,7 +233,9 @@ class DraftHead:
                  logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``features`` ``[B, T, E]`` and the tokens that follow them ``[B, T]`` -> subset logits
         ``[B, T', N]`` and the head's guesses of the next features ``[B, T, E]``."""
-        x = self.fc(torch.cat([features.to(self.target.act_dtype), self.target.embed[tokens]], -1))
+        act, eps = self.target.act_dtype, self.cfg.rms_norm_eps
+        x = self.fc(torch.cat([rms_norm(features.to(act), self.norm_feature, eps, False),
+                               rms_norm(self.target.embed[tokens], self.norm_embed, eps, False)], -1))
         return self.body.forward_embeds(x.to(self.target.act_dtype), cache, logit_index=logit_index, return_hidden=True)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -238,10 +238,12 @@ class DraftHead:
                                rms_norm(self.target.embed[tokens], self.norm_embed, eps, False)], -1))
         return self.body.forward_embeds(x.to(self.target.act_dtype), cache, logit_index=logit_index, return_hidden=True)
 
-    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Subset logits ``[B, N]`` -> target-vocabulary logits ``[B, V]``, -inf outside the subset."""
-        out = logits.new_full((logits.shape[0], self.cfg.target_vocab_size), float("-inf"))
-        out[:, self.vocab_ids] = logits
+    def full_probs(self, subset_probs: torch.Tensor) -> torch.Tensor:
+        """Subset probabilities ``[B, N]`` -> target-vocabulary probabilities ``[B, V]`` (zero outside
+        the subset). Processing (temperature, top-k, top-p, min-p) over the subset alone gives the
+        same distribution as over the full vocabulary with -inf outside it, at a tenth of the cost."""
+        out = subset_probs.new_zeros(subset_probs.shape[0], self.cfg.target_vocab_size)
+        out[:, self.vocab_ids] = subset_probs
         return out
 
 
@@ -301,7 +303,7 @@ class HeadProposer:
     def _probs(self, subset_logits: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, V]
         if not torch.isfinite(subset_logits).all():
             raise ValueError("the draft head produced non-finite logits")
-        return probs_per_row(self.head.full_logits(subset_logits).unsqueeze(1), self.params)[:, 0]
+        return self.head.full_probs(probs_per_row(subset_logits.unsqueeze(1), self.params)[:, 0])
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         """Drop the drafted slots; queue the target's features of the fed token and the accepted

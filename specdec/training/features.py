@@ -67,3 +67,56 @@ def load_shards(directory: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if not out:
         raise FileNotFoundError(f"no feature shards in {directory}")
     return out
+
+
+class _Recorder:
+    """A proposer that never drafts and keeps the target's features of every committed position:
+    the features of the target's own answers come free with generating them."""
+
+    wants_target_hidden = True
+
+    def start(self, prompts, params, generator, target_hidden=None) -> None:
+        self.rows = list(range(len(prompts)))  # original row of each batch position
+        self.feats = [[target_hidden[b, : len(p)]] for b, p in enumerate(prompts)]
+
+    def propose(self, pending, k):
+        from specdec.proposers.base import Proposal
+
+        return Proposal(torch.zeros(len(pending), 0, dtype=torch.long), None)
+
+    def observe(self, num_accepted, target_hidden=None) -> None:
+        for b, row in enumerate(self.rows):
+            self.feats[row].append(target_hidden[b, :1])
+
+    def retain(self, rows: list[int]) -> None:
+        self.rows = [self.rows[i] for i in rows]
+
+
+def generate_with_features(target: Transformer, prompts: list[list[int]], params, max_new_tokens: int,
+                           eos_token_ids, seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
+    """The target's own answers to ``prompts`` with its features at every position of prompt and
+    answer but the last (whose feature is never computed): ``[(ids, hidden [len(ids) - 1, E])]``."""
+    from specdec.engine import generate
+
+    recorder = _Recorder()
+    rows = generate(target, prompts, params, max_new_tokens, proposer=recorder, k=1, seed=seed,
+                    eos_token_ids=eos_token_ids)
+    out = []
+    for prompt, row, feats in zip(prompts, rows, recorder.feats):
+        ids = prompt + row.token_ids
+        hidden = torch.cat(feats)[: len(ids) - 1]
+        out.append((ids[: hidden.shape[0]], hidden))  # the last token has no feature: dropped
+    return out
+
+
+def write_shard(path: Path, rows: list[tuple[list[int], torch.Tensor]]) -> None:
+    """A shard in :func:`extract`'s format from (ids, hidden [len(ids), E]) pairs."""
+    from safetensors.torch import save_file
+
+    width = max(len(ids) for ids, _ in rows)
+    tokens = torch.full((len(rows), width), -1, dtype=torch.int32)
+    hidden = torch.zeros(len(rows), width, rows[0][1].shape[-1], dtype=torch.float16)
+    for i, (ids, h) in enumerate(rows):
+        tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        hidden[i, : len(ids)] = h.half()
+    cache.write_atomic(path, lambda tmp: save_file({"tokens": tokens, "hidden": hidden}, str(tmp)))

@@ -72,9 +72,49 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     save_head(out, net.cfg, net.export(), vocab_ids, card)
     card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
     card["bytes"] = out.stat().st_size
+    card["command"] = (f"specdec train-head --target {target.name} --dtype {model.dtype_name} --tokens {max_tokens}"
+                       + (f" --sequences {max_sequences}" if max_sequences else "")
+                       + f" --steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr} --vocab-size {cfg.vocab_size}"
+                       f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed} --out {out.name}")
     write_json(out.with_suffix(".json"), card)
+    cache.write_atomic(out.with_suffix(".md"), lambda tmp: tmp.write_text(card_markdown(card, out.name)))
     write_json(workdir / "losses.json", log)
     return card
+
+
+def card_markdown(card: dict, file_name: str) -> str:
+    """A short human-readable model card from the JSON card."""
+    c, h, t = card["corpus"], card["held_out"], card["train_config"]
+    rows = "\n".join(f"| {i + 1} | {g:.3f} | {a:.3f} |" for i, (g, a) in enumerate(zip(h["greedy"], h["alpha"])))
+    return f"""# Draft head `{file_name}`
+
+An EAGLE-style draft head for **{card['target']}** (features of its `{card['target_dtype']}` runtime),
+trained by `specdec train-head` on this machine's CPU. See `specdec/proposers/head.py`.
+
+- **Architecture:** RMS-normalised target feature + token embedding -> fc (2E -> E) -> one decoder
+  layer (the target's attention shape, MLP width {t['intermediate_size']}) -> the target's final norm
+  and output rows for {t['vocab_size']} frequency-ranked token ids (the rest are never drafted).
+- **Data:** {c['sequences_used']} chat-formatted sequences (<= {c['seq_len']} tokens) from the Python sources
+  and package documentation installed with specdec's dependencies ({len(c['packages'])} packages; no
+  bench or test prompt comes from them); {c['train_tokens']} training tokens, every
+  {t['held_out_every']}th sequence held out ({c['held_out_sequences']} sequences, {h['slots']} positions).
+- **Labels:** the target's own next-token distribution (distillation), draft steps 1..{t['passes']}
+  trained at every position with the head reading its own guesses.
+- **Training:** {t['steps']} steps x {t['batch_sequences']} sequences, AdamW lr {t['lr']} (warm-up, cosine),
+  seed {t['seed']}: {card['training_seconds'] / 60:.0f} min on 2 CPU cores (feature extraction: one
+  prefill per sequence at the target's prefill speed, ~130 tokens/s on this 2-core CPU).
+- **Reproduce:** `{card['command']}`
+- **File:** {card['bytes'] / 1e6:.1f} MB, sha256 `{card['sha256']}`
+
+Held-out acceptance per draft position (teacher-forced tokens, the head's own features; greedy =
+argmax agreement with the target, sampled = sum min(p, q) at T = 1, each given the earlier
+positions right); the {t['vocab_size']}-id subset covers the target's argmax at
+{h['subset_covers_argmax']:.1%} of held-out positions:
+
+| position | greedy | sampled (T = 1) |
+|---|---|---|
+{rows}
+"""
 
 
 def default_workdir(target_name: str, dtype: str) -> Path:

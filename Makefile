@@ -18,9 +18,10 @@ venv: $(BIN)/.installed
 models: $(BIN)/.installed
 	$(BIN)/specdec models install
 
-# Main job: speculative generation with the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
+# Main job: speculative generation with the default target (Qwen2.5-Coder 1.5B) and its shipped
+# draft head (the default proposer: n-gram lookup when the text repeats itself, else the head).
 demo: models
-	$(BIN)/specdec generate --draft draft --chat --max-new-tokens 128 \
+	$(BIN)/specdec generate --chat --max-new-tokens 128 \
 		--prompt "Write a Python function that returns the n-th Fibonacci number iteratively."
 
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.

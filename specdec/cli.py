@@ -149,6 +149,10 @@ def _add_train_head(sub: argparse._SubParsersAction) -> None:
                    help="the head layer's MLP width (default: %(default)s)")
     p.add_argument("--passes", type=_int_at_least(1), default=d.passes, help="draft steps trained per position (default: %(default)s)")
     p.add_argument("--seed", type=_int_at_least(0), default=d.seed, help="(default: %(default)s)")
+    p.add_argument("--answer-batches", type=_int_at_least(0), default=0,
+                   help="stage 2: batches of 16 prompts (derived from unused corpus chunks) the target answers "
+                   "itself, greedy, 160 tokens; the head is then fine-tuned on those answers (default: 0, off)")
+    p.add_argument("--finetune-steps", type=_int_at_least(0), default=0, help="stage 2 fine-tuning steps (default: 0)")
     p.set_defaults(func=_run_train_head)
 
 
@@ -173,7 +177,10 @@ def _run_train_head(args: argparse.Namespace) -> int:
     root = Path(args.corpus_root) if args.corpus_root else None
     if root is not None and not root.is_dir():
         raise UsageError(f"--corpus-root {root} is not a directory")
-    card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root)
+    if bool(args.answer_batches) != bool(args.finetune_steps):
+        raise UsageError("--answer-batches and --finetune-steps go together (stage 2 needs both)")
+    card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
+               args.answer_batches, args.finetune_steps, encode=lambda text: gen.encode(text, chat=True))
     print(f"wrote {out} ({card['bytes'] / 1e6:.1f} MB, sha256 {card['sha256'][:16]}…)")
     print(summary(card))
     return 0

@@ -182,12 +182,15 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     out = tmp_path / "head.safetensors"
     args = ["train-head", "--target", str(model), "--dtype", "float32", "--out", str(out), "--tokens", "20000",
             "--steps", "4", "--batch", "2", "--vocab-size", "64", "--intermediate-size", "64", "--passes", "2",
-            "--corpus-root", str(sources), "--workdir", str(tmp_path / "work")]
+            "--corpus-root", str(sources), "--workdir", str(tmp_path / "work"), "--answer-batches", "1",
+            "--finetune-steps", "2"]
     code, stdout, err = _run(capsys, *args)
     assert code == 0, err
     assert "wrote" in stdout and "held-out acceptance per draft position" in stdout
     card = json.loads(out.with_suffix(".json").read_text())
     assert card["corpus"]["sequences"] >= 16 and len(card["held_out"]["greedy"]) == 2
+    assert card["finetune"]["own_answer_sequences"] >= 1 and "--answer-batches 1" in card["command"]
+    assert out.with_suffix(".md").read_text().startswith("# Draft head")
     code, stdout, err = _run(capsys, *args)  # everything is there: nothing is redone
     assert code == 0 and "extract features" not in err
 

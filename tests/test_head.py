@@ -251,7 +251,7 @@ def test_head_file_round_trip_and_errors(fp32_target, tmp_path):
     cfg, state, ids, info = read_head(path)
     assert cfg == net.cfg and torch.equal(ids, net.vocab_ids) and info == {"note": "test"}
     for name, value in net.export().items():
-        assert torch.equal(state[name], value.half().float())
+        assert torch.equal(state[name].float(), value.half().float())
     other = ours(hf_tiny("qwen2", vocab=50, seed=0), "float32")
     with pytest.raises(ValueError, match="trained for a target with vocabulary 97"):
         DraftHead(cfg, state, ids, other, net.lm_rows, "float32")

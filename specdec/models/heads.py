@@ -28,11 +28,12 @@ def shipped(target_name: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def output_rows(target: LoadedModel) -> torch.Tensor:
-    """The target's output layer ``[V, E]`` in fp32, read from its weights on disk."""
+def output_rows(target: LoadedModel, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's output layer in fp32, read from its weights on disk: all ``[V, E]``, or only
+    the rows ``ids`` (read in chunks, so a head load never holds the whole matrix)."""
     weights = LazyWeights(target.source_dir)
     name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-    return weights[name].float()
+    return weights[name].float() if ids is None else weights.rows(name, ids)
 
 
 def load_head(path: Path, target: LoadedModel) -> DraftHead:
@@ -40,8 +41,7 @@ def load_head(path: Path, target: LoadedModel) -> DraftHead:
     if not Path(path).is_file():
         raise FileNotFoundError(f"no draft head at {path}")
     cfg, state, vocab_ids, _ = read_head(Path(path))
-    rows = output_rows(target)
-    if rows.shape[0] != cfg.target_vocab_size:
+    if target.model.vocab_size != cfg.target_vocab_size:
         raise ValueError(f"the head at {path} was trained for a vocabulary of {cfg.target_vocab_size} ids; "
-                         f"{target.name} has {rows.shape[0]}")
-    return DraftHead(cfg, state, vocab_ids, target.model, rows[vocab_ids].clone(), target.model.dtype_name)
+                         f"{target.name} has {target.model.vocab_size}")
+    return DraftHead(cfg, state, vocab_ids, target.model, output_rows(target, vocab_ids), target.model.dtype_name)

@@ -159,6 +159,22 @@ class LazyWeights(Mapping):
         handle, key = self._where[name]
         return handle.get_tensor(key)
 
+    def rows(self, name: str, ids: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+        """Rows ``ids`` of a 2-D tensor, read ``chunk`` rows at a time (never the whole tensor)."""
+        handle, key = self._where[name]
+        view = handle.get_slice(key)
+        out = []
+        order = torch.argsort(ids)
+        ids_sorted = ids[order]
+        for lo in range(0, int(view.get_shape()[0]), chunk):
+            sel = ids_sorted[(ids_sorted >= lo) & (ids_sorted < lo + chunk)]
+            if sel.numel():
+                out.append(view[lo : lo + chunk][sel - lo].float())
+        rows = torch.cat(out)
+        result = torch.empty_like(rows)
+        result[order] = rows
+        return result
+
     def __iter__(self):
         return iter(self._where)
 

@@ -346,4 +346,5 @@ def read_head(path: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], torch.Te
             raise ValueError(f"{path} is not a specdec draft head ({FORMAT})")
         state = {k: f.get_tensor(k) for k in f.keys()}
     vocab_ids = state.pop("vocab_ids").long()
-    return HeadConfig(**json.loads(meta["config"])), {k: v.float() for k, v in state.items()}, vocab_ids, json.loads(meta["info"])
+    # fp16 as stored: each consumer converts one tensor at a time (no fp32 copy of the whole head)
+    return HeadConfig(**json.loads(meta["config"])), state, vocab_ids, json.loads(meta["info"])

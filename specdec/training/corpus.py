@@ -131,3 +131,32 @@ def save(corpus: dict, path: Path) -> None:
 
 def load(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def answer_prompts(used_sources: set[str], count: int, seed: int = 1, root: Path | None = None) -> list[str]:
+    """Instructions derived from corpus chunks the training text did not use, for the target to
+    answer itself (its own answers are the text a head drafts at inference): write a documented
+    function, explain, rewrite or test a snippet, summarise documentation."""
+    import re
+
+    items = [i for i in collect(root) if i.source not in used_sources]
+    random.Random(seed).shuffle(items)
+    prompts = []
+    for item in items:
+        lines = item.text.strip().splitlines()
+        if item.kind == "prose":
+            prompts.append(f"Summarize this documentation in a few sentences:\n\n{item.text.strip()[:1200]}")
+        else:
+            kind = len(prompts) % 4
+            m = re.search(r'def (\w+)\(([^)]*)\)[^:]*:\s*\n\s*(?:"""|\'\'\')\s*([^\n]+)', item.text)
+            if kind == 0 and m and len(m.group(3)) > 15:
+                prompts.append(f"Write a Python function `{m.group(1)}({m.group(2)[:60]})`: {m.group(3).strip()}")
+            elif kind == 1:
+                prompts.append("Explain what this Python code does:\n\n```python\n" + "\n".join(lines[:25]) + "\n```")
+            elif kind == 2:
+                prompts.append("Rewrite this code to be clearer, with comments:\n\n```python\n" + "\n".join(lines[:20]) + "\n```")
+            else:
+                prompts.append("Write unit tests with pytest for this code:\n\n```python\n" + "\n".join(lines[:20]) + "\n```")
+        if len(prompts) >= count:
+            break
+    return prompts

@@ -20,8 +20,13 @@ from specdec.training import corpus, features
 from specdec.training.train import Dataset, TrainConfig, evaluate, head_config, split, train, vocab_subset, write_json
 
 
+ANSWER_BATCH = 16
+ANSWER_TOKENS = 160
+
+
 def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: TrainConfig,
-        eos_ids: set[int], max_sequences: int | None = None, corpus_root: Path | None = None) -> dict:
+        eos_ids: set[int], max_sequences: int | None = None, corpus_root: Path | None = None,
+        answer_batches: int = 0, finetune_steps: int = 0, encode=None) -> dict:
     """Train a head for ``target`` (its runtime dtype is the one whose features the head learns
     to read) and write it to ``out``; returns the model card."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -56,6 +61,11 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     t = time.perf_counter()
     scores = evaluate(net, dataset, held_ids, cfg.passes, full_rows)
     stages["eval_seconds"] = round(time.perf_counter() - t, 1)
+    finetune = None
+    if answer_batches and finetune_steps:
+        sources = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}
+        finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answer_batches,
+                                            finetune_steps, eos_ids, encode, full_rows, corpus_root)
     train_tokens = sum(dataset.rows[i][0].shape[0] for i in train_ids)
     card = {
         "target": target.name,
@@ -69,23 +79,73 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         "held_out": scores,
         "stages": stages,
     }
+    if finetune is not None:
+        card["finetune"] = finetune
     save_head(out, net.cfg, net.export(), vocab_ids, card)
     card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
     card["bytes"] = out.stat().st_size
     card["command"] = (f"specdec train-head --target {target.name} --dtype {model.dtype_name} --tokens {max_tokens}"
                        + (f" --sequences {max_sequences}" if max_sequences else "")
                        + f" --steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr} --vocab-size {cfg.vocab_size}"
-                       f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed} --out {out.name}")
+                       f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed}"
+                       + (f" --answer-batches {answer_batches} --finetune-steps {finetune_steps}" if finetune else "")
+                       + f" --out {out.name}")
     write_json(out.with_suffix(".json"), card)
     cache.write_atomic(out.with_suffix(".md"), lambda tmp: tmp.write_text(card_markdown(card, out.name)))
     write_json(workdir / "losses.json", log)
     return card
 
 
+def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, batches, steps,
+                             eos_ids, encode, full_rows, corpus_root) -> dict:
+    """Stage 2: the target answers prompts derived from unused corpus chunks (greedy, its features
+    recorded while it generates), then the head is fine-tuned on those answers mixed with as many
+    corpus sequences, at a third of the learning rate. Evaluated on held-out own answers."""
+    from specdec.sampling import SamplingParams
+
+    net.load_export({k: v.half() for k, v in net.export().items()})  # start from the stage-1 head as saved (fp16)
+    own_dir = workdir / "own-answers"
+    own_dir.mkdir(exist_ok=True)
+    prompts = corpus.answer_prompts(used_sources, batches * ANSWER_BATCH, root=corpus_root)
+    t = time.perf_counter()
+    for b in range(batches):
+        path = features.shard_path(own_dir, b)
+        group = prompts[b * ANSWER_BATCH : (b + 1) * ANSWER_BATCH]
+        if path.exists() or not group:
+            continue
+        ids = [encode(p)[:384] for p in group]
+        rows = features.generate_with_features(target.model, ids, SamplingParams(temperature=0.0), ANSWER_TOKENS,
+                                               eos_ids, seed=b)
+        features.write_shard(path, rows)
+        cache.notice(f"own answers: batch {b + 1}/{batches} ({time.perf_counter() - t:.0f} s)")
+    own = Dataset(features.load_shards(own_dir)[:batches])
+    own_train, own_held = split(len(own), 10)
+    mixed = Dataset([])
+    mixed.rows = own.rows + corpus_data.rows
+    train_ids = own_train + [len(own.rows) + i for i in corpus_train[: len(own_train)]]
+    before = evaluate(net, mixed, own_held, cfg.passes, full_rows)
+    ft_cfg = TrainConfig(**{**asdict(cfg), "steps": steps, "lr": cfg.lr * 0.3, "warmup": 5, "seed": cfg.seed + 1,
+                            "checkpoint_every": 10})
+    log = train(net, mixed, train_ids, ft_cfg, workdir / "finetune.pt")
+    after = evaluate(net, mixed, own_held, cfg.passes, full_rows)
+    return {"own_answer_sequences": len(own), "own_answer_tokens": sum(r[0].shape[0] for r in own.rows),
+            "own_train": len(own_train), "own_held_out": len(own_held), "corpus_mixed_in": len(train_ids) - len(own_train),
+            "steps": steps, "lr": ft_cfg.lr, "seconds": round(log["seconds"], 1),
+            "generate_seconds_this_run": round(time.perf_counter() - t - log["seconds"], 1),
+            "held_out_own_answers_before": before, "held_out_own_answers_after": after}
+
+
 def card_markdown(card: dict, file_name: str) -> str:
     """A short human-readable model card from the JSON card."""
     c, h, t = card["corpus"], card["held_out"], card["train_config"]
     rows = "\n".join(f"| {i + 1} | {g:.3f} | {a:.3f} |" for i, (g, a) in enumerate(zip(h["greedy"], h["alpha"])))
+    f = card.get("finetune")
+    stage2 = "" if f is None else (
+        f"\n- **Stage 2 (own answers):** the target answered {f['own_answer_sequences']} prompts derived from "
+        f"unused corpus chunks ({f['own_answer_tokens']} tokens, greedy, features recorded while it generated); "
+        f"{f['steps']} fine-tuning steps at lr {f['lr']:g} on them mixed with as many corpus sequences. Held-out own "
+        f"answers, greedy acceptance per position: {f['held_out_own_answers_before']['greedy']} before, "
+        f"{f['held_out_own_answers_after']['greedy']} after.")
     return f"""# Draft head `{file_name}`
 
 An EAGLE-style draft head for **{card['target']}** (features of its `{card['target_dtype']}` runtime),
@@ -103,10 +163,10 @@ trained by `specdec train-head` on this machine's CPU. See `specdec/proposers/he
 - **Training:** {t['steps']} steps x {t['batch_sequences']} sequences, AdamW lr {t['lr']} (warm-up, cosine),
   seed {t['seed']}: {card['training_seconds'] / 60:.0f} min on 2 CPU cores (feature extraction: one
   prefill per sequence at the target's prefill speed, ~130 tokens/s on this 2-core CPU).
-- **Reproduce:** `{card['command']}`
+- **Reproduce:** `{card['command']}`{stage2}
 - **File:** {card['bytes'] / 1e6:.1f} MB, sha256 `{card['sha256']}`
 
-Held-out acceptance per draft position (teacher-forced tokens, the head's own features; greedy =
+Held-out corpus acceptance per draft position of the stage-1 head (teacher-forced tokens, the head's own features; greedy =
 argmax agreement with the target, sampled = sum min(p, q) at T = 1, each given the earlier
 positions right); the {t['vocab_size']}-id subset covers the target's argmax at
 {h['subset_covers_argmax']:.1%} of held-out positions:

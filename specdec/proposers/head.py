@@ -130,9 +130,13 @@ class HeadNet(torch.nn.Module):
                 b.copy_(state[LAYER + f"self_attn.{p}_proj.bias"])
 
     # -- forward ---------------------------------------------------------------------------------
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's final norm of its features ``[..., E]`` (what its output layer reads)."""
+        return rms_norm(hidden.float(), self.final_norm, self.cfg.rms_norm_eps, False)
+
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's own logits over the subset from its features ``[..., E]`` -> ``[..., N]``."""
-        return F.linear(rms_norm(hidden.float(), self.final_norm, self.cfg.rms_norm_eps, False), self.lm_rows)
+        return F.linear(self.normed(hidden), self.lm_rows)
 
     def fc_input(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps

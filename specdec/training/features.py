@@ -27,8 +27,6 @@ def shard_path(directory: Path, index: int) -> Path:
 def extract(target: Transformer, sequences: list[list[int]], directory: Path) -> None:
     """Write ``features-NNNNN.safetensors`` shards (``tokens`` [n, L] int32 padded with -1,
     ``hidden`` [n, L, E] fp16) for ``sequences`` into ``directory``; existing shards are kept."""
-    from safetensors.torch import save_file
-
     directory.mkdir(parents=True, exist_ok=True)
     shards = range(0, len(sequences), SHARD)
     todo = [s for s in shards if not shard_path(directory, s // SHARD).exists()]
@@ -37,16 +35,11 @@ def extract(target: Transformer, sequences: list[list[int]], directory: Path) ->
     total = sum(len(sequences[i]) for s in todo for i in range(s, min(s + SHARD, len(sequences))))
     with tqdm(total=total, unit="tok", desc="extract features", smoothing=0.1) as bar:
         for start in todo:
-            group = sequences[start : start + SHARD]
-            width = max(len(s) for s in group)
-            tokens = torch.full((len(group), width), -1, dtype=torch.int32)
-            hidden = torch.zeros(len(group), width, target.cfg.hidden_size, dtype=torch.float16)
-            for i, ids in enumerate(group):
-                tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-                hidden[i, : len(ids)] = prefill_features(target, ids).half()
+            rows = []
+            for ids in sequences[start : start + SHARD]:
+                rows.append((ids, prefill_features(target, ids)))
                 bar.update(len(ids))
-            cache.write_atomic(shard_path(directory, start // SHARD),
-                               lambda tmp: save_file({"tokens": tokens, "hidden": hidden}, str(tmp)))
+            write_shard(shard_path(directory, start // SHARD), rows)
 
 
 def prefill_features(target: Transformer, ids: list[int]) -> torch.Tensor:

@@ -171,8 +171,7 @@ def evaluate(net: HeadNet, data: Dataset, ids: list[int], passes: int, full_rows
     subset[net.vocab_ids] = True
     for s in range(0, len(ids), batch):
         tokens, feats, lengths = data.batch(ids[s : s + batch])
-        p = torch.softmax(torch.nn.functional.linear(
-            _normed(net, feats[:, 1:]), full_rows.float()), -1)  # [B, L-1, V]
+        p = torch.softmax(torch.nn.functional.linear(net.normed(feats[:, 1:]), full_rows.float()), -1)  # [B, L-1, V]
         top = p.argmax(-1)
         slots = torch.arange(tokens.shape[1] - 1)
         inside = slots.view(1, -1) + 1 < lengths.view(-1, 1)
@@ -190,12 +189,6 @@ def evaluate(net: HeadNet, data: Dataset, ids: list[int], passes: int, full_rows
     return {"alpha": [round(a / max(1, c), 4) for a, c in zip(sums["alpha"], n)],
             "greedy": [round(g / max(1, c), 4) for g, c in zip(sums["greedy"], n)],
             "slots": n[0], "subset_covers_argmax": round(covered / max(1, total), 4)}
-
-
-def _normed(net: HeadNet, feats: torch.Tensor) -> torch.Tensor:
-    from specdec.runtime.model import rms_norm
-
-    return rms_norm(feats.float(), net.final_norm, net.cfg.rms_norm_eps, False)
 
 
 def write_json(path: Path, data: dict) -> None:

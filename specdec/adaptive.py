@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 def expected_tokens(accept: list[float], k: int) -> float:
     """``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j`` for per-position acceptance ``accept``."""
@@ -39,6 +41,32 @@ def best_k(accept: list[float], draft_cost: float, verify_cost: list[float], k_m
     """``argmax_k E(k) / (k * draft_cost + verify_cost[k])``; ``verify_cost[n-1]`` verifies n positions."""
     rates = [expected_tokens(accept, k) / (k * draft_cost + verify_cost[k]) for k in range(k_max + 1)]
     return max(range(k_max + 1), key=lambda k: (rates[k], -k))
+
+
+def verify_costs(measured: dict[int, float], n_max: int) -> list[float]:
+    """Seconds to verify n = 1..``n_max`` positions from the ``measured`` ones (n -> seconds):
+    linear interpolation between measured sizes, extrapolation from the last two; one
+    measurement scales the prior ``v(n) = v1 * (1 + 0.1 (n - 1))``, none gives that prior."""
+    known = sorted(measured.items())
+    if not known:
+        return [1.0 + 0.1 * (n - 1) for n in range(1, n_max + 1)]
+    if len(known) == 1:
+        (n0, c0), = known
+        base = c0 / (1 + 0.1 * (n0 - 1))
+        return [base * (1 + 0.1 * (n - 1)) for n in range(1, n_max + 1)]
+    out = []
+    for n in range(1, n_max + 1):
+        if n in measured:
+            out.append(measured[n])
+            continue
+        lo = max((p for p in known if p[0] < n), default=known[0], key=lambda p: p[0])
+        hi = min((p for p in known if p[0] > n), default=known[-1], key=lambda p: p[0])
+        if lo[0] == hi[0]:
+            (n1, c1), (n2, c2) = known[-2], known[-1]
+            lo, hi = (n1, c1), (n2, c2)
+        slope = (hi[1] - lo[1]) / (hi[0] - lo[0])
+        out.append(max(1e-9, lo[1] + slope * (n - lo[0])))
+    return out
 
 
 @dataclass
@@ -68,26 +96,7 @@ class AdaptiveK:
 
     def verify_costs(self) -> list[float]:
         """Estimated seconds to verify n = 1..k_max+1 positions."""
-        known = sorted(self.verify_cost.items())
-        if not known:
-            return [1.0 + 0.1 * (n - 1) for n in range(1, self.k_max + 2)]
-        if len(known) == 1:
-            (n0, c0), = known
-            base = c0 / (1 + 0.1 * (n0 - 1))
-            return [base * (1 + 0.1 * (n - 1)) for n in range(1, self.k_max + 2)]
-        out = []
-        for n in range(1, self.k_max + 2):
-            if n in self.verify_cost:
-                out.append(self.verify_cost[n])
-                continue
-            lo = max((p for p in known if p[0] < n), default=known[0], key=lambda p: p[0])
-            hi = min((p for p in known if p[0] > n), default=known[-1], key=lambda p: p[0])
-            if lo[0] == hi[0]:
-                (n1, c1), (n2, c2) = known[-2], known[-1]
-                lo, hi = (n1, c1), (n2, c2)
-            slope = (hi[1] - lo[1]) / (hi[0] - lo[0])
-            out.append(max(1e-9, lo[1] + slope * (n - lo[0])))
-        return out
+        return verify_costs(self.verify_cost, self.k_max + 1)
 
     def choose(self) -> int:
         if self.k_max == 0:
@@ -101,6 +110,10 @@ class AdaptiveK:
         else:
             self._since_spec = 0
         return k
+
+    def observe_step(self, proposal, result, draft_seconds: float, verify_seconds: float, caught_up: bool) -> None:
+        """The engine's call after each step (a chain proposal and its verification)."""
+        self.observe(proposal.size, result.num_accepted.tolist(), draft_seconds, verify_seconds, caught_up)
 
     def observe(self, k: int, num_accepted: list[int], draft_seconds: float, verify_seconds: float,
                 caught_up: bool = False) -> None:
@@ -124,3 +137,100 @@ class AdaptiveK:
                 self.tested[i] += 1.0
                 if i < acc:
                     self.accepted[i] += 1.0
+
+
+@dataclass
+class TreeBudget:
+    """How many nodes of a candidate tree to verify, chosen each step from the tree itself.
+
+    A tree proposer attaches to each node a score ``s`` — its estimate that the node lies on the
+    accepted path (e.g. the product of draft probabilities along the path; EAGLE-2 shows this
+    confidence tracks acceptance). The expected tokens a step commits with the best ``n`` nodes of
+    each row is ``E(n) = 1 + sum_{i<=n} c_{d(i)} s_i`` (each accepted node is one token, plus the
+    replacement or bonus): every node counts once, whichever branch wins. ``c_d`` calibrates the
+    scores per depth d from what was measured (accepted nodes at depth d / summed scores of the
+    verified nodes at depth d, with forgetting; prior 1). The step keeps
+    ``n* = argmax_n sum_rows E_row(n) / (d + v(n + 1))``, ``d`` the measured drafting time per
+    step and ``v`` the measured verification time per block size (interpolated as for chains).
+    ``n = 0`` is plain decoding at ``B / v(1)``: when the best tree does not beat it, drafting is
+    skipped for the next steps, with a probe every ``probe_every`` steps.
+    """
+
+    max_nodes: int
+    forget: float = 0.97
+    prior_weight: float = 2.0
+    ema: float = 0.3
+    probe_every: int = 8
+    hits: list[float] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)
+    draft_cost: float | None = None
+    verify_cost: dict[int, float] = field(default_factory=dict)
+    _pays: bool = True
+    _since_spec: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 0:
+            raise ValueError("max_nodes must be >= 0")
+
+    def calibration(self, depth: int) -> float:
+        """``c_d`` for depth d (1-based)."""
+        i = depth - 1
+        hits = self.hits[i] if i < len(self.hits) else 0.0
+        pred = self.predicted[i] if i < len(self.predicted) else 0.0
+        return (hits + self.prior_weight) / (pred + self.prior_weight)
+
+    def choose(self) -> int:
+        """Nodes to ask the proposer for this step: ``max_nodes``, or 0 while trees do not pay."""
+        if self._pays or self.max_nodes == 0:
+            self._since_spec = 0
+            return self.max_nodes
+        self._since_spec += 1
+        if self._since_spec >= self.probe_every:
+            self._since_spec = 0
+            return self.max_nodes
+        return 0
+
+    def nodes(self, proposal) -> int:
+        """``n*`` for this proposal (a tree whose ``scores`` are set)."""
+        from specdec.tree import depths
+
+        size = proposal.size
+        if size == 0:
+            return 0
+        real = proposal.tokens >= 0
+        depth = depths(proposal.parents, proposal.tokens)  # [B, N]
+        calib = torch.tensor([self.calibration(d) for d in range(1, int(depth.max()) + 2)])
+        value = torch.where(real, proposal.scores.float().clamp(0, 1) * calib[(depth - 1).clamp(min=0)], 0.0)
+        gain = torch.sort(value, dim=1, descending=True).values.sum(0).cumsum(0)  # [N] summed over rows
+        rows = proposal.tokens.shape[0]
+        costs = verify_costs(self.verify_cost, size + 1)
+        draft = self.draft_cost or 0.0
+        rates = [rows / costs[0]] + [(rows + float(gain[n - 1])) / (draft + costs[n]) for n in range(1, size + 1)]
+        best = max(range(size + 1), key=lambda n: (rates[n], -n))
+        self._pays = best > 0
+        return best
+
+    def observe_step(self, proposal, result, draft_seconds: float, verify_seconds: float, caught_up: bool) -> None:
+        from specdec.tree import depths
+
+        n = proposal.size + 1
+        old = self.verify_cost.get(n)
+        self.verify_cost[n] = verify_seconds if old is None else old + self.ema * (verify_seconds - old)
+        if proposal.size == 0 or not proposal.is_tree:
+            return
+        if not caught_up:
+            self.draft_cost = draft_seconds if self.draft_cost is None else self.draft_cost + self.ema * (draft_seconds - self.draft_cost)
+        depth = depths(proposal.parents, proposal.tokens)  # [B, N]
+        max_depth = int(depth.max())
+        grow = max_depth - len(self.hits)
+        if grow > 0:
+            self.hits += [0.0] * grow
+            self.predicted += [0.0] * grow
+        self.hits = [h * self.forget for h in self.hits]
+        self.predicted = [p * self.forget for p in self.predicted]
+        real = proposal.tokens >= 0
+        scores = proposal.scores.float().clamp(0, 1)
+        for d in range(1, max_depth + 1):
+            at = real & (depth == d)
+            self.predicted[d - 1] += float(scores[at].sum())
+            self.hits[d - 1] += float((result.num_accepted >= d).sum())

@@ -20,11 +20,12 @@ from typing import Callable
 
 import torch
 
-from specdec.adaptive import AdaptiveK
+from specdec.adaptive import AdaptiveK, TreeBudget
 from specdec.metrics import GenerationMetrics
-from specdec.proposers.base import Proposer
+from specdec.proposers.base import Proposal, Proposer
 from specdec.runtime.model import Transformer
 from specdec.sampling import SamplingParams, probs_per_row
+from specdec.tree import TreeVerification, ancestor_mask, depths, verify_tree
 from specdec.verify import ChainVerification, verify_chain
 
 MAX_SEED = 2**63 - 2  # the draft's generator gets seed + 1: both must fit a signed 64-bit integer
@@ -72,12 +73,51 @@ def commit_tokens(res: RowResult, ids: list[int], eos_token_ids, max_new_tokens:
     return True
 
 
-def rollback(cache, before: torch.Tensor, result: ChainVerification) -> torch.Tensor:
-    """Keep the KV of the fed token and the accepted drafts, drop the rejected suffix (O(1));
-    returns ``[B]`` the last committed token of each row (replacement or bonus), whose KV is
-    written at the next step."""
-    cache.truncate(before + 1 + result.num_accepted)  # before: [B] lengths before the block
-    return result.tokens.gather(1, result.num_accepted.unsqueeze(1)).squeeze(1)
+def score_chain(target: Transformer, cache, last: torch.Tensor, proposal: Proposal, want_hidden: bool):
+    """One target call over ``[last committed token, d_1..d_k]`` -> logits ``[B, k+1, V]`` (and
+    the block's features ``[B, k+1, E]`` when ``want_hidden``, else None)."""
+    block = torch.cat([last.unsqueeze(1), proposal.tokens], 1)  # [B, k+1]
+    out = target(block, cache, return_hidden=want_hidden)
+    return out if want_hidden else (out, None)
+
+
+def score_tree(target: Transformer, cache, last: torch.Tensor, proposal: Proposal, want_hidden: bool):
+    """One target call over ``[root, node_0..node_{N-1}]``: each node attends to the committed
+    slots, the root and its ancestors, at position prefix + depth — so its logits are exactly
+    those the same path would get as a chain. Padding nodes score a dummy token, unused."""
+    tokens, parents = proposal.tokens, proposal.parents  # [B, N]
+    batch, n = tokens.shape
+    mask = torch.zeros(batch, n + 1, n + 1, dtype=torch.bool)  # [B, N+1, N+1]
+    mask[:, :, 0] = True
+    mask[:, 1:, 1:] = ancestor_mask(parents)
+    depth = torch.cat([torch.zeros(batch, 1, dtype=torch.long), depths(parents, tokens)], 1)  # [B, N+1]
+    block = torch.cat([last.unsqueeze(1), tokens.clamp(min=0)], 1)  # [B, N+1]
+    out = target(block, cache, tree_mask=mask, positions=cache.lengths.unsqueeze(1) + depth, return_hidden=want_hidden)
+    return out if want_hidden else (out, None)
+
+
+def commit_kv(cache, before: torch.Tensor, result, hidden: torch.Tensor | None):
+    """Keep the KV of the fed token and the accepted drafts, drop the rest: O(1) for a chain
+    (truncate), O(accepted) for a tree (the accepted branch is compacted into place). Returns
+    ``[B]`` the last committed token of each row (replacement or bonus; its KV is written at the
+    next step) and the features of the fed token and accepted drafts in order ``[B, D+1, E]``."""
+    if isinstance(result, TreeVerification):
+        cache.keep_path(before, result.path, result.num_accepted)
+        if hidden is not None:  # root, then the accepted path's nodes (-1 padding reads the root)
+            index = torch.cat([torch.zeros_like(result.path[:, :1]), result.path + 1], 1).clamp(min=0)
+            hidden = hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    else:
+        cache.truncate(before + 1 + result.num_accepted)
+    return result.tokens.gather(1, result.num_accepted.unsqueeze(1)).squeeze(1), hidden
+
+
+def draft_depth(proposal: Proposal) -> torch.Tensor:
+    """``[B]`` the draft positions each row offered: k for a chain, the tree's depth."""
+    if not proposal.is_tree:
+        return torch.full((proposal.tokens.shape[0],), proposal.size, dtype=torch.long)
+    if proposal.size == 0:
+        return torch.zeros(proposal.tokens.shape[0], dtype=torch.long)
+    return depths(proposal.parents, proposal.tokens).max(1).values
 
 
 def generate(
@@ -193,47 +233,54 @@ def generate(
         controller = None
         if controllers is not None and proposer is not None:
             source = proposer.next_source(pending) if hasattr(proposer, "next_source") else "default"
-            controller = controllers.setdefault(source, AdaptiveK(k_max=k_max))
+            if source not in controllers:
+                controllers[source] = TreeBudget(k_max) if proposer.emits_trees else AdaptiveK(k_max=k_max)
+            controller = controllers[source]
         step_k = min(controller.choose() if controller else k, remaining - 1, room)
         t0 = time.perf_counter()
         if proposer is not None:
             proposal = proposer.propose(pending, step_k)
-            draft_tokens, draft_probs = proposal.tokens, proposal.probs
-            if draft_tokens.shape[1] > step_k:
-                raise ValueError(f"the proposer returned {draft_tokens.shape[1]} tokens, more than k={step_k}")
-            step_k = draft_tokens.shape[1]  # a proposer may propose fewer (e.g. no n-gram match)
+            if proposal.size > step_k:
+                raise ValueError(f"the proposer returned {proposal.size} tokens, more than k={step_k}")
+            if controller is not None and proposal.is_tree:
+                proposal = proposal.prune(controller.nodes(proposal))
         else:
-            draft_tokens, draft_probs = torch.zeros(len(alive), 0, dtype=torch.long), None
+            proposal = Proposal(torch.zeros(len(alive), 0, dtype=torch.long), None)
+        step_k = proposal.size  # a proposer may propose fewer (e.g. no n-gram match)
         t1 = time.perf_counter()
-        block = torch.cat([last.unsqueeze(1), draft_tokens], 1)  # [B', k+1]
         before = cache.lengths.clone()
-        out = target(block, cache, return_hidden=want_hidden)
-        logits, hidden = out if want_hidden else (out, None)  # [B', k+1, V], [B', k+1, E]
+        logits, hidden = (score_tree if proposal.is_tree else score_chain)(target, cache, last, proposal, want_hidden)
         metrics.target_calls += 1
         t2 = time.perf_counter()
-        params_alive = [row_params[r] for r in alive]
-        result = verifier(_probs(logits, params_alive, "target"), draft_probs, draft_tokens, g_verify)
+        probs = _probs(logits, [row_params[r] for r in alive], "target")  # [B', k+1, V]
+        if proposal.is_tree:
+            result = verify_tree(probs, proposal.probs, proposal.tokens, proposal.parents, g_verify,
+                                 without_replacement=proposal.without_replacement)
+        else:
+            result = verifier(probs, proposal.probs, proposal.tokens, g_verify)
         t3 = time.perf_counter()
-        last = rollback(cache, before, result)
+        last, hidden = commit_kv(cache, before, result, hidden)
         t4 = time.perf_counter()
         if proposer is not None:
             proposer.observe(result.num_accepted, target_hidden=hidden)
         t5 = time.perf_counter()
         if controller is not None:
-            controller.observe(step_k, result.num_accepted.tolist(), (t1 - t0) + (t5 - t4), t3 - t1,
+            controller.observe_step(proposal, result, (t1 - t0) + (t5 - t4), t3 - t1,
                                caught_up=bool(getattr(proposer, "caught_up", False)))
         tm.draft += (t1 - t0) + (t5 - t4)
         tm.verify += t2 - t1
         tm.sampling += t3 - t2
         tm.cache += t4 - t3
+        depth = draft_depth(proposal)  # [B'] drafted positions per row (a tree's depth)
         pending, keep = [], []
         for i, row in enumerate(alive):
             ids = result.committed(i)
             pending.append(ids)
             row_metrics = results[row].metrics
             row_metrics.target_calls += 1
-            row_metrics.acceptance.record(step_k, int(result.num_accepted[i]))
-            metrics.acceptance.record(step_k, int(result.num_accepted[i]))
+            nodes = int((proposal.tokens[i] >= 0).sum())
+            row_metrics.acceptance.record(int(depth[i]), int(result.num_accepted[i]), nodes)
+            metrics.acceptance.record(int(depth[i]), int(result.num_accepted[i]), nodes)
             if commit(row, ids):
                 keep.append(i)
     tm.total = time.perf_counter() - start

@@ -28,12 +28,18 @@ class AcceptanceStats:
     # it with every earlier draft accepted) and calls that accepted it.
     reached_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    # Tokens the target scored as drafts: = drafted for chains, all nodes for candidate trees (whose
+    # "positions" above are depths: a tree of depth d counts as d drafted positions).
+    scored: int = 0
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, scored: int | None = None) -> None:
+        """One call: ``num_drafted`` draft positions (a tree's depth), ``num_accepted`` of them
+        accepted, ``scored`` draft tokens scored (tree nodes; default ``num_drafted``)."""
         if num_drafted == 0:
             return
         self.calls += 1
         self.drafted += num_drafted
+        self.scored += num_drafted if scored is None else scored
         self.accepted += num_accepted
         self.k_max = max(self.k_max, num_drafted)
         grow = num_drafted - len(self.reached_at)
@@ -53,7 +59,8 @@ class AcceptanceStats:
 
     def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
         out = AcceptanceStats(max(self.k_max, other.k_max), self.calls + other.calls, self.drafted + other.drafted,
-                              self.accepted + other.accepted, self.full_accepts + other.full_accepts)
+                              self.accepted + other.accepted, self.full_accepts + other.full_accepts,
+                              scored=self.scored + other.scored)
         n = max(len(self.first_rejection), len(other.first_rejection))
         out.first_rejection = _add(self.first_rejection, other.first_rejection)
         out.reached_at = _add(self.reached_at, other.reached_at)
@@ -69,6 +76,7 @@ class AcceptanceStats:
         return {
             "verify_calls_with_drafts": self.calls,
             "drafted_tokens": self.drafted,
+            "scored_draft_tokens": self.scored,
             "accepted_tokens": self.accepted,
             "mean_accepted_per_call": self.accepted / self.calls if self.calls else 0.0,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,

@@ -16,14 +16,66 @@ from specdec.sampling import SamplingParams
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor  # [B, k] long
-    probs: torch.Tensor | None  # [B, k, V] the distributions the tokens were sampled from; None = deterministic
+    """A chain (``parents is None``): ``tokens[b, i]`` follows ``tokens[b, i-1]``. Or a candidate
+    tree (see :mod:`specdec.tree`): node ``i`` hangs from node ``parents[b, i]`` (``-1``: the
+    last committed token), ``tokens == -1`` marks padding.
+
+    ``scores`` (trees): the proposer's estimate that each node lies on the accepted path (e.g.
+    the product of draft probabilities along it); non-increasing from parent to child and from
+    a sibling to the next, so that :meth:`prune` keeps a valid tree. ``without_replacement``:
+    siblings were drawn from ``probs`` without replacement (see :func:`specdec.verify_tree`).
+    """
+
+    tokens: torch.Tensor  # [B, k] long (a tree: [B, N], -1 padded)
+    probs: torch.Tensor | None  # chain [B, k, V] / tree [B, N+1, V]: what the tokens were drawn from; None = deterministic
+    parents: torch.Tensor | None = None  # [B, N] long: a tree; None: a chain
+    scores: torch.Tensor | None = None  # [B, N] float (trees)
+    without_replacement: bool = False
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    @property
+    def size(self) -> int:
+        """Draft tokens the target scores (chain length or tree nodes, padding included)."""
+        return self.tokens.shape[1]
+
+    def prune(self, nodes: int) -> "Proposal":
+        """A tree of the ``nodes`` best-scoring nodes of each row (ties: earlier node first),
+        renumbered in their original order. The scores make the choice closed under parents and
+        earlier siblings, so the result is a valid tree drawn the same way."""
+        if not self.is_tree or nodes >= self.size:
+            return self
+        batch = self.tokens.shape[0]
+        if nodes <= 0:
+            empty = torch.zeros(batch, 0, dtype=torch.long)
+            return Proposal(empty, None if self.probs is None else self.probs[:, :1], empty.clone(),
+                            torch.zeros(batch, 0), self.without_replacement)
+        score = torch.where(self.tokens >= 0, self.scores, float("-inf"))
+        order = torch.sort(torch.argsort(-score, dim=1, stable=True)[:, :nodes], dim=1).values  # [B, n] kept, in order
+        new_index = torch.full((batch, self.size + 1), -1, dtype=torch.long)  # old node -> new index (slot 0: -1 = root)
+        new_index[torch.arange(batch).unsqueeze(1), order + 1] = torch.arange(nodes).expand(batch, nodes)
+        kept_score = score.gather(1, order)
+        real = kept_score > float("-inf")  # [B, n] (a row with fewer nodes keeps padding)
+        tokens = torch.where(real, self.tokens.gather(1, order), -1)
+        old_parents = self.parents.gather(1, order)
+        parents = torch.where(real, new_index.gather(1, old_parents + 1), -1)
+        if bool((real & (parents < 0) & (old_parents >= 0)).any()):
+            raise ValueError("scores must not increase from a parent to its child (the pruned tree lost a parent)")
+        probs = None
+        if self.probs is not None:
+            probs = torch.cat([self.probs[:, :1], self.probs.gather(1, (order + 1).unsqueeze(-1).expand(-1, -1, self.probs.shape[2]))], 1)
+        return Proposal(tokens, probs, parents, kept_score.clamp(min=0), self.without_replacement)
 
 
 class Proposer(Protocol):
     # Whether the proposer reads the target's features (a draft head): the engine then passes the
     # last block's output of the prefill to ``start`` and of each verified block to ``observe``.
     wants_target_hidden: bool
+    # Whether ``propose`` returns candidate trees (``Proposal.parents`` set, with scores); ``k`` is
+    # then a node budget, and adaptive k prunes each tree with :class:`~specdec.adaptive.TreeBudget`.
+    emits_trees: bool
 
     def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
               target_hidden: torch.Tensor | None = None) -> None:
@@ -35,8 +87,10 @@ class Proposer(Protocol):
         call (the first call gets the first generated token): the proposer has not seen them yet."""
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
-        """``num_accepted`` ``[B]``: how many of the last proposal's tokens the target accepted;
-        ``target_hidden`` ``[B, k+1, E]``: the verified block's features when ``wants_target_hidden``."""
+        """``num_accepted`` ``[B]``: how many of the last proposal's tokens the target accepted (for
+        a tree: the depth of the accepted path); ``target_hidden`` ``[B, k+1, E]`` (a tree:
+        ``[B, D+1, E]``): the features of the fed token and the accepted tokens, in order, when
+        ``wants_target_hidden``."""
 
     def retain(self, rows: list[int]) -> None:
         """Keep only these rows (by current position); the others have finished."""

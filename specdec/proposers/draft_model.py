@@ -14,6 +14,7 @@ class DraftModelProposer:
     so the returned ``probs`` are exactly the processed ``q`` each token was drawn from."""
 
     wants_target_hidden = False
+    emits_trees = False
 
     def __init__(self, model: Transformer, capacity: int) -> None:
         self.model = model

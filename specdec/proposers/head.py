@@ -256,6 +256,7 @@ class HeadProposer:
     sampled from (the rows' own temperature / top-k / top-p / min-p, zero outside the subset)."""
 
     wants_target_hidden = True
+    emits_trees = False
 
     def __init__(self, head: DraftHead, capacity: int) -> None:
         self.head, self.capacity = head, capacity

@@ -18,7 +18,10 @@ from specdec.sampling import SamplingParams
 
 class HybridProposer:
     def __init__(self, ngram: NgramProposer, model_draft) -> None:
+        if ngram.emits_trees != model_draft.emits_trees:
+            raise ValueError("a hybrid's two proposers must both emit chains or both emit trees")
         self.ngram, self.model_draft = ngram, model_draft
+        self.emits_trees = ngram.emits_trees
         self._queued: list[list[int]] = []
         self._used = None
 

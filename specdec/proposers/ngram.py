@@ -48,6 +48,7 @@ class NgramIndex:
 
 class NgramProposer:
     wants_target_hidden = False
+    emits_trees = False
 
     def __init__(self, n_min: int = 2, n_max: int = 4) -> None:
         if not 1 <= n_min <= n_max:

@@ -93,8 +93,12 @@ class Block(torch.nn.Module):
                 rows, qidx = slice(b, b + 1), slice(i, i + 1)
             if isinstance(sel, tuple):
                 keys, values = k_all[rows, :, sel[0] : sel[1]], v_all[rows, :, sel[0] : sel[1]]  # [G, Hkv, S, D]
-            else:  # tree: an explicit slot index (one query per group)
+            elif single:  # tree: an explicit slot index
                 keys, values = k_all[rows][:, :, sel], v_all[rows][:, :, sel]
+            else:  # gather only the visible slots of each row: [G, S, Hkv, D] -> [G, Hkv, S, D]
+                r, s_ = rows.unsqueeze(1), sel.unsqueeze(0)
+                keys = k_all[r, :, s_].permute(0, 2, 1, 3).contiguous()
+                values = v_all[r, :, s_].permute(0, 2, 1, 3).contiguous()
             qg = (q[rows, :, qidx].transpose(1, 2) if single else q[rows, :, qidx])  # [G, Hq, D]
             qg = qg.reshape(-1, kv_heads, heads // kv_heads, dim)  # [G, Hkv, rep, D]
             scores = torch.matmul(qg, keys.to(q.dtype).transpose(-1, -2)).float() * scale  # [G, Hkv, rep, S]
@@ -247,6 +251,7 @@ class Transformer(torch.nn.Module):
         positions: torch.Tensor | None = None,
         logit_index: torch.Tensor | None = None,
         return_hidden: bool = False,
+        tree_base: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append input vectors ``x`` ``[B, T, E]`` (embedded tokens, or a draft head's projected
         features) to ``cache`` and return logits ``[B, T', V]`` (fp32).
@@ -257,6 +262,10 @@ class Transformer(torch.nn.Module):
         logit_index: ``[B, T']`` block indices to compute logits for (default: all T).
         return_hidden: also return the last block's output (before the final norm) at every block
             position, ``[B, T, E]`` — the features a draft head reads; it is computed anyway.
+        tree_base: ``[B]`` with ``tree_mask``: the first cache slot of a tree grown over several
+            calls (a draft head expanding a candidate tree depth by depth). Slots before it are
+            always visible; ``tree_mask`` is then ``[B, T, (lengths - tree_base) + T]`` and covers
+            the earlier tree slots too. Default: the cache length (the tree is this block).
         """
         bsz, t, _ = x.shape
         if bsz != cache.batch:
@@ -270,7 +279,7 @@ class Transformer(torch.nn.Module):
             raise ValueError(
                 f"position {int(positions.max())} is beyond the model's context length {self.cfg.max_position_embeddings}"
             )
-        visible = self._per_query_visibility(start, positions, tree_mask, t)
+        visible = self._per_query_visibility(start, positions, tree_mask, t, tree_base)
         rope = self._rope_for(positions)
         for block in self.blocks:
             x = block(x, cache, slots, rope, visible)
@@ -285,12 +294,11 @@ class Transformer(torch.nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return (logits, hidden) if return_hidden else logits
 
-    def _per_query_visibility(self, start, positions, tree_mask, t) -> dict[str, list]:
+    def _per_query_visibility(self, start, positions, tree_mask, t, tree_base=None) -> dict[str, list]:
         """Groups of queries with identical visible slots, for "global" and "local" (Gemma's
         sliding window) layers: a list of (rows [G], block indices [G], slots) where slots is a
         (lo, hi) range for chains or an index tensor for trees."""
         window = self.cfg.sliding_window if self.cfg.is_gemma else None
-        bsz = start.shape[0]
         if tree_mask is None:
             hi = start.unsqueeze(1) + torch.arange(t).unsqueeze(0) + 1  # [B, T] causal: up to itself
             out = {"global": _group_ranges(torch.zeros_like(hi), hi)}
@@ -299,17 +307,33 @@ class Transformer(torch.nn.Module):
             else:
                 out["local"] = out["global"]
             return out
+        base = start if tree_base is None else tree_base  # [B] first slot of the tree region
+        extra = tree_mask.shape[2] - t
+        if tree_mask.shape[:2] != (start.shape[0], t) or bool((start - base != extra).any()):
+            raise ValueError(
+                f"tree_mask must be [B, T, (lengths - tree_base) + T]; got {tuple(tree_mask.shape)} for T={t}, "
+                f"lengths {start.tolist()}, tree_base {base.tolist()}"
+            )
+        if window and extra:
+            raise ValueError("a tree region before the block (tree_base) is not supported with sliding-window attention")
+        # Queries with the same tree base, position and visible block nodes see the same slots:
+        # one gathered matmul per group (the chain path's argument for bit-identity holds).
+        bsz = start.shape[0]
+        key = torch.cat([base.view(bsz, 1, 1).expand(bsz, t, 1), positions.unsqueeze(-1), tree_mask.long()], -1)
+        uniq, inverse = torch.unique(key.view(bsz * t, -1), dim=0, return_inverse=True)
+        order = torch.argsort(inverse, stable=True)
+        sizes = torch.bincount(inverse, minlength=uniq.shape[0]).tolist()
         out = {"global": [], "local": []}
-        for b in range(bsz):
-            s0 = int(start[b])
-            for i in range(t):
-                block = torch.nonzero(tree_mask[b, i]).flatten() + s0
-                idx = torch.cat([torch.arange(s0), block])
-                rows, qi = torch.tensor([b]), torch.tensor([i])
-                out["global"].append((rows, qi, idx))
-                if window:
-                    key_pos = torch.cat([torch.arange(s0), positions[b, block - s0]])
-                    out["local"].append((rows, qi, idx[int(positions[b, i]) - key_pos < window]))
+        for g, flat in enumerate(torch.split(order, sizes)):
+            b, i = int(flat[0]) // t, int(flat[0]) % t
+            s0 = int(base[b])
+            block = torch.nonzero(tree_mask[b, i]).flatten() + s0
+            idx = torch.cat([torch.arange(s0), block])
+            rows, qi = flat // t, flat % t
+            out["global"].append((rows, qi, idx))
+            if window:
+                key_pos = torch.cat([torch.arange(s0), positions[b, block - s0]])
+                out["local"].append((rows, qi, idx[int(positions[b, i]) - key_pos < window]))
         if not window:
             out["local"] = out["global"]
         return out

@@ -67,6 +67,7 @@ class _Recorder:
     the features of the target's own answers come free with generating them."""
 
     wants_target_hidden = True
+    emits_trees = False
 
     def start(self, prompts, params, generator, target_hidden=None) -> None:
         self.rows = list(range(len(prompts)))  # original row of each batch position

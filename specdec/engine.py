@@ -220,11 +220,11 @@ def generate(
             t = time.perf_counter()
             alive, last = [alive[i] for i in keep], last[keep]
             pending = [pending[i] for i in keep]
+            if proposer is not None:  # (also when none is left: a proposer may keep finished outputs)
+                proposer.retain(keep)
             if not alive:
                 break
             cache = cache.fork(keep)
-            if proposer is not None:
-                proposer.retain(keep)
             tm.cache += time.perf_counter() - t
         remaining = max(max_new_tokens - len(results[r].token_ids) for r in alive)
         # The block writes positions lengths .. lengths + k of every row: no row may pass the

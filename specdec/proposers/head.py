@@ -234,13 +234,14 @@ class DraftHead:
 
     @torch.inference_mode()
     def __call__(self, features: torch.Tensor, tokens: torch.Tensor, cache: KVCache,
-                 logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 **options) -> tuple[torch.Tensor, torch.Tensor]:
         """``features`` ``[B, T, E]`` and the tokens that follow them ``[B, T]`` -> subset logits
-        ``[B, T', N]`` and the head's guesses of the next features ``[B, T, E]``."""
+        ``[B, T', N]`` and the head's guesses of the next features ``[B, T, E]``. ``options``:
+        :meth:`Transformer.forward_embeds`'s (``logit_index``; ``tree_mask``/``positions``/``tree_base``)."""
         act, eps = self.target.act_dtype, self.cfg.rms_norm_eps
         x = self.fc(torch.cat([rms_norm(features.to(act), self.norm_feature, eps, False),
                                rms_norm(self.target.embed[tokens], self.norm_embed, eps, False)], -1))
-        return self.body.forward_embeds(x.to(self.target.act_dtype), cache, logit_index=logit_index, return_hidden=True)
+        return self.body.forward_embeds(x.to(self.target.act_dtype), cache, return_hidden=True, **options)
 
     def full_probs(self, subset_probs: torch.Tensor) -> torch.Tensor:
         """Subset probabilities ``[B, N]`` -> target-vocabulary probabilities ``[B, V]`` (zero outside
@@ -281,6 +282,22 @@ class HeadProposer:
         if k == 0:
             self.caught_up = False
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
+        logits, guess = self._catch_up()
+        drafts, probs = [], []
+        for i in range(k):
+            q = self._probs(logits[:, -1])  # [B, V]
+            token = sample(q, self.generator).unsqueeze(1)  # [B, 1]
+            drafts.append(token)
+            probs.append(q)
+            if i < k - 1:
+                logits, guess = self.head(guess, token, self.cache)
+        return Proposal(torch.cat(drafts, 1), torch.stack(probs, 1))
+
+    def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the queued (target feature, next token) pairs of every row in one head call;
+        returns the subset logits at each row's last pair ``[B, 1, N]`` and the head's guess of
+        the next feature ``[B, 1, E]`` (what drafting continues from)."""
+        batch = len(self._tokens)
         counts = torch.tensor([len(t) for t in self._tokens])  # == len(feats) per row
         self.caught_up = int(counts.max()) > 2
         width = int(counts.max())
@@ -295,15 +312,7 @@ class HeadProposer:
         guess = guesses.gather(1, (counts - 1).view(-1, 1, 1).expand(-1, 1, guesses.shape[-1]))  # [B, 1, E]
         self._feats = [f[:0] for f in self._feats]
         self._tokens = [[] for _ in range(batch)]
-        drafts, probs = [], []
-        for i in range(k):
-            q = self._probs(logits[:, -1])  # [B, V]
-            token = sample(q, self.generator).unsqueeze(1)  # [B, 1]
-            drafts.append(token)
-            probs.append(q)
-            if i < k - 1:
-                logits, guess = self.head(guess, token, self.cache)
-        return Proposal(torch.cat(drafts, 1), torch.stack(probs, 1))
+        return logits, guess
 
     def _probs(self, subset_logits: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, V]
         if not torch.isfinite(subset_logits).all():
@@ -325,6 +334,93 @@ class HeadProposer:
         self._feats = [self._feats[i] for i in rows]
         self._tokens = [self._tokens[i] for i in rows]
         self._committed = self._committed[rows]
+
+
+class HeadTreeProposer(HeadProposer):
+    """Candidate trees from the draft head (EAGLE-2 style dynamic trees), deterministic candidates.
+
+    Depth by depth, the ``width`` best nodes so far (score = product of the head's probabilities
+    along the path) are expanded in ONE head call (tree attention over the head's own cache: each
+    node sees the committed pairs and its ancestors), each offering its ``width`` most probable
+    children. After ``depth`` levels (at most the node budget ``k``) the ``k`` best-scoring nodes
+    form the tree. Scores rank by the head's distribution processed with the row's own sampling
+    parameters (the raw distribution for greedy rows, whose processed one is one-hot).
+
+    The candidates are a deterministic function of the committed text, so they are verified as
+    such (``probs=None``; :func:`specdec.verify_tree` removes each rejected candidate from the
+    target's distribution): exact at every temperature, whatever the head's quality.
+    """
+
+    emits_trees = True
+
+    def __init__(self, head: DraftHead, capacity: int, width: int = 4, depth: int = 5) -> None:
+        if width < 1 or depth < 1:
+            raise ValueError(f"width and depth must be >= 1, got {width}, {depth}")
+        super().__init__(head, capacity + width * depth)  # the expanded nodes' slots while drafting
+        self.width, self.depth = width, depth
+
+    def _rank_probs(self, subset_logits: torch.Tensor) -> torch.Tensor:
+        """``[B, W, N]`` subset logits -> the probabilities candidates are ranked by."""
+        if not torch.isfinite(subset_logits).all():
+            raise ValueError("the draft head produced non-finite logits")
+        ranked = [p if p.temperature > 0 else SamplingParams(temperature=1.0) for p in self.params]
+        return probs_per_row(subset_logits, ranked)
+
+    def propose(self, pending: list[list[int]], k: int) -> Proposal:
+        batch = len(pending)
+        self._tokens = [t + p for t, p in zip(self._tokens, pending)]
+        if k == 0:
+            self.caught_up = False
+            empty = torch.zeros(batch, 0, dtype=torch.long)
+            return Proposal(empty, None, parents=empty.clone(), scores=torch.zeros(batch, 0))
+        logits, guess = self._catch_up()  # [B, 1, N], [B, 1, E]
+        width = min(self.width, k)
+        probs, ids = self._rank_probs(logits).topk(width, dim=-1)  # [B, 1, W]
+        tokens, scores = self.head.vocab_ids[ids[:, 0]], probs[:, 0]  # [B, M] nodes so far (M = W)
+        parents = torch.full((batch, width), -1, dtype=torch.long)
+        base = self.cache.lengths.clone()  # the committed pairs; the expanded nodes go after them
+        fed: list[torch.Tensor] = []  # per level: the expanded nodes [B, W], in feeding order
+        guesses = guess.new_zeros(batch, 0, guess.shape[-1])  # [B, F, E] the head's guess after each fed node
+        level_start = 0
+        for level in range(1, min(self.depth, k)):
+            # expand the `width` best nodes of the newest level, each offering its `width` best children
+            frontier = level_start + scores[:, level_start:].topk(width, dim=1).indices.sort(dim=1).values  # [B, W]
+            if level == 1:
+                feat = guess.expand(-1, width, -1)  # children of the root continue from its guess
+            else:  # a node continues from the guess after its parent (fed one level up)
+                parent_slot = (width * (level - 2)) + _position_in(fed[-1], parents.gather(1, frontier))
+                feat = guesses.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, guesses.shape[-1]))
+            logits, out = self.head(feat, tokens.gather(1, frontier), self.cache,
+                                    tree_mask=self._mask(parents, fed, frontier),
+                                    positions=(base + level - 1).unsqueeze(1).expand(-1, width), tree_base=base)
+            fed.append(frontier)
+            guesses = torch.cat([guesses, out], 1)
+            probs, ids = self._rank_probs(logits).topk(width, dim=-1)  # [B, W, W]
+            level_start = tokens.shape[1]
+            tokens = torch.cat([tokens, self.head.vocab_ids[ids].flatten(1)], 1)
+            parents = torch.cat([parents, frontier.repeat_interleave(width, dim=1)], 1)
+            scores = torch.cat([scores, (scores.gather(1, frontier).unsqueeze(-1) * probs).flatten(1)], 1)
+        self.cache.truncate(self._committed)
+        return Proposal(tokens, None, parents=parents, scores=scores).prune(k)
+
+    @staticmethod
+    def _mask(parents: torch.Tensor, fed: list[torch.Tensor], frontier: torch.Tensor) -> torch.Tensor:
+        """``[B, W, F + W]``: which fed nodes (in feeding order) and which new ones each frontier
+        node sees — its ancestors and itself."""
+        batch, width = frontier.shape
+        order = torch.cat(fed + [frontier], 1)  # [B, F + W] node index of each slot
+        seen = torch.zeros(batch, width, order.shape[1], dtype=torch.bool)
+        node = frontier.clone()
+        while True:
+            seen |= order.unsqueeze(1) == node.unsqueeze(2)
+            node = torch.where(node >= 0, parents.gather(1, node.clamp(min=0)), -1)
+            if bool((node < 0).all()):
+                return seen
+
+
+def _position_in(order: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` where each of ``nodes`` ``[B, n]`` stands in ``order`` ``[B, W]``."""
+    return (order.unsqueeze(1) == nodes.unsqueeze(2)).long().argmax(-1)
 
 
 # -- files ---------------------------------------------------------------------------------------

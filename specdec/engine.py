@@ -236,12 +236,18 @@ def generate(
             if source not in controllers:
                 controllers[source] = TreeBudget(k_max) if proposer.emits_trees else AdaptiveK(k_max=k_max)
             controller = controllers[source]
-        step_k = min(controller.choose() if controller else k, remaining - 1, room)
+        # A chain drafts at most one token fewer than the row still needs; a tree (k = nodes) at
+        # most that deep.
+        depth_cap = min(remaining - 1, room)
+        step_k = controller.choose() if controller else k
+        step_k = min(step_k, room) if proposer is not None and proposer.emits_trees else min(step_k, depth_cap)
         t0 = time.perf_counter()
         if proposer is not None:
             proposal = proposer.propose(pending, step_k)
             if proposal.size > step_k:
                 raise ValueError(f"the proposer returned {proposal.size} tokens, more than k={step_k}")
+            if proposal.is_tree:
+                proposal = proposal.cut_depth(depth_cap)
             if controller is not None and proposal.is_tree:
                 proposal = proposal.prune(controller.nodes(proposal))
         else:

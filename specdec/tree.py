@@ -39,7 +39,7 @@ import torch
 from specdec.sampling import sample
 from specdec.verify import acceptance_probability, check_probs, residual_distribution
 
-__all__ = ["TreeVerification", "ancestor_mask", "depths", "verify_tree"]
+__all__ = ["TreeVerification", "ancestor_mask", "children_table", "depths", "verify_tree"]
 
 
 @dataclass(frozen=True)
@@ -134,46 +134,86 @@ def verify_tree(
     uniforms = torch.rand((batch, n), generator=generator, dtype=dtype)  # [B, N]: one per node
     node_depth = depths(parents, tokens)  # [B, N]
     max_depth = int(node_depth.max()) if n else 0
+    kids = children_table(tokens, parents)  # [B, N+1, C]: children of the root / node i, in order
 
-    finals = torch.empty(batch, p_all.shape[2], dtype=dtype)  # [B, V]: the distribution of the last token
+    # All rows walk down in lockstep: per level, the c-th child of every row's current node is
+    # tried at once (rows without one skip it). Row-wise the arithmetic is verify_chain's.
+    rows = torch.arange(batch)
+    node = torch.full((batch,), -1, dtype=torch.long)  # current node (-1: the root)
+    walking = torch.ones(batch, dtype=torch.bool)  # rows still descending
+    p = p_all[:, 0].clone()  # [B, V] the current target distribution (updated by residuals)
+    q = None if q_all is None else q_all[:, 0].clone()  # [B, V]
+    finals = torch.empty_like(p)  # [B, V] the distribution of each row's last token
     path = torch.full((batch, max_depth), -1, dtype=torch.long)
-    out_tokens = torch.full((batch, max_depth + 1), -1, dtype=torch.long)
     num_accepted = torch.zeros(batch, dtype=torch.long)
-    toks, pars = tokens.tolist(), parents.tolist()
-    for b in range(batch):
-        node, depth = -1, 0
-        while True:
-            p = p_all[b, node + 1]
-            q = None if q_all is None else q_all[b, node + 1]
-            children = [i for i in range(n) if pars[b][i] == node and toks[b][i] >= 0]
-            accepted = None
-            for child in children:
-                x = toks[b][child]
-                q_x = 1.0 if q is None else q[x]
-                if q_x <= 0:
-                    raise ValueError(f"row {b}: candidate {x} of node {child} has zero probability under draft_probs")
-                ratio = acceptance_probability(p[x], torch.as_tensor(q_x, dtype=dtype))
-                if uniforms[b, child] < ratio:
-                    accepted = child
-                    break
-                one_hot = torch.zeros_like(p)
-                one_hot[x] = 1.0
-                p = residual_distribution(p, one_hot if q is None else q, residual_tolerance)
+    for depth in range(max_depth + 1):
+        options = kids[rows, node + 1]  # [B, C]
+        has_children = walking & (options[:, 0] >= 0)
+        accepted = torch.full((batch,), -1, dtype=torch.long)
+        for c in range(options.shape[1]):
+            child = options[:, c]  # [B]
+            trying = walking & (accepted < 0) & (child >= 0)
+            if not bool(trying.any()):
+                continue
+            r = trying.nonzero().squeeze(1)  # [R]
+            x = tokens[r, child[r]]  # [R]
+            p_x = p[r, x]
+            q_x = torch.ones_like(p_x) if q is None else q[r, x]
+            if bool((q_x <= 0).any()):
+                bad = int(r[(q_x <= 0).nonzero()[0, 0]])
+                raise ValueError(f"row {bad}: candidate {int(tokens[bad, child[bad]])} of node {int(child[bad])} "
+                                 "has zero probability under draft_probs")
+            ok = uniforms[r, child[r]] < acceptance_probability(p_x, q_x)  # [R]
+            accepted[r[ok]] = child[r[ok]]
+            rej, x_rej = r[~ok], x[~ok]
+            if rej.numel():
+                if q is None:  # one-hot q: the rejected token is removed from p
+                    q_rows = torch.zeros_like(p[rej])
+                    q_rows[torch.arange(rej.numel()), x_rej] = 1.0
+                else:
+                    q_rows = q[rej]
+                p[rej] = residual_distribution(p[rej], q_rows, residual_tolerance)
                 if q is not None and without_replacement:
-                    q = q.clone()
-                    q[x] = 0.0
-                    mass = q.sum()
-                    q = q / mass if mass > 0 else q
-            if accepted is None:
-                # all children rejected: p is already the residual; a leaf: the bonus, normalised
-                # exactly as verify_chain does it (the residual against q = 0)
-                finals[b] = p if children else residual_distribution(p, torch.zeros_like(p), residual_tolerance)
-                break
-            path[b, depth] = accepted
-            out_tokens[b, depth] = toks[b][accepted]
-            depth += 1
-            node = accepted
-        num_accepted[b] = depth
+                    q_rows = q_rows.clone()
+                    q_rows[torch.arange(rej.numel()), x_rej] = 0.0
+                    mass = q_rows.sum(-1, keepdim=True)
+                    q[rej] = torch.where(mass > 0, q_rows / torch.where(mass > 0, mass, 1.0), q_rows)
+        stop = walking & (accepted < 0)
+        if bool(stop.any()):
+            # all children rejected: p is already the residual; a leaf: the bonus, normalised
+            # exactly as verify_chain does it (the residual against q = 0)
+            leaf = stop & ~has_children
+            finals[stop] = p[stop]
+            if bool(leaf.any()):
+                finals[leaf] = residual_distribution(p[leaf], torch.zeros_like(p[leaf]), residual_tolerance)
+        walking = walking & (accepted >= 0)
+        if not bool(walking.any()):
+            break
+        w = walking.nonzero().squeeze(1)
+        path[w, depth] = accepted[w]
+        num_accepted[w] += 1
+        node = torch.where(walking, accepted, node)
+        p[w] = p_all[w, accepted[w] + 1]
+        if q is not None:
+            q[w] = q_all[w, accepted[w] + 1]
+    out_tokens = torch.full((batch, max_depth + 1), -1, dtype=torch.long)
+    if max_depth:
+        out_tokens[:, :max_depth] = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1)
     last = sample(finals, generator)  # [B]
-    out_tokens[torch.arange(batch), num_accepted] = last
+    out_tokens[rows, num_accepted] = last
     return TreeVerification(num_accepted=num_accepted, tokens=out_tokens, path=path)
+
+
+def children_table(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """``[B, N+1, C]``: entry ``[b, j]`` lists the children of the root (j = 0) or of node
+    ``j - 1``, in index order, ``-1`` padded (padding nodes are not children)."""
+    batch, n = tokens.shape
+    used = tokens >= 0
+    slot = torch.where(used, parents + 1, n + 1)  # [B, N] the parent's row (n + 1: discard)
+    one_hot = torch.nn.functional.one_hot(slot, n + 2)[..., : n + 1]  # [B, N, N+1]
+    rank = one_hot.cumsum(1) - 1  # [B, N, N+1] each child's rank among its siblings
+    width = max(int(one_hot.sum(1).max()) if n else 0, 1)
+    table = torch.full((batch, n + 2, width), -1, dtype=torch.long)
+    b, i = torch.nonzero(used, as_tuple=True)
+    table[b, slot[b, i], rank[b, i, slot[b, i]]] = i
+    return table[:, : n + 1]

@@ -41,6 +41,19 @@ class Proposal:
         """Draft tokens the target scores (chain length or tree nodes, padding included)."""
         return self.tokens.shape[1]
 
+    def cut_depth(self, max_depth: int) -> "Proposal":
+        """A tree without the nodes deeper than ``max_depth`` (they become padding); a chain cut
+        to ``max_depth`` tokens."""
+        if not self.is_tree:
+            return self if self.size <= max_depth else Proposal(self.tokens[:, :max_depth], None if self.probs is None else self.probs[:, :max_depth])
+        from specdec.tree import depths
+
+        deep = depths(self.parents, self.tokens) > max_depth  # [B, N]
+        if not bool(deep.any()):
+            return self
+        return Proposal(self.tokens.masked_fill(deep, -1), self.probs, self.parents.masked_fill(deep, -1),
+                        self.scores.masked_fill(deep, 0.0), self.without_replacement)
+
     def prune(self, nodes: int) -> "Proposal":
         """A tree of the ``nodes`` best-scoring nodes of each row (ties: earlier node first),
         renumbered in their original order. The scores make the choice closed under parents and

@@ -73,14 +73,16 @@ class KVCache:
         K/V moves to slot ``before + 1 + j``, and the row's length becomes ``before + 1 +
         num_accepted``. O(accepted) copies; a path-shaped acceptance (node j at depth j) moves
         nothing. ``path`` ``[B, D]`` is -1 padded."""
-        for b in range(self.batch):
-            n = int(num_accepted[b])
-            src = before[b] + 1 + path[b, :n]  # [n] slots of the accepted nodes
-            dst = before[b] + 1 + torch.arange(n)
-            moved = src != dst
-            if bool(moved.any()):
-                self.k[:, b, :, dst[moved]] = self.k[:, b, :, src[moved]]
-                self.v[:, b, :, dst[moved]] = self.v[:, b, :, src[moved]]
+        steps = torch.arange(path.shape[1]).unsqueeze(0)  # [1, D]
+        src = before.unsqueeze(1) + 1 + path  # [B, D] slots of the accepted nodes
+        dst = before.unsqueeze(1) + 1 + steps
+        moved = (steps < num_accepted.unsqueeze(1)) & (path >= 0) & (src != dst)
+        if bool(moved.any()):
+            b, j = torch.nonzero(moved, as_tuple=True)
+            # reads complete before writes: an accepted node never moves to a slot that a later
+            # accepted node is read from (dst < src along the path, both increasing)
+            self.k[:, b, :, dst[b, j]] = self.k[:, b, :, src[b, j]]
+            self.v[:, b, :, dst[b, j]] = self.v[:, b, :, src[b, j]]
         self.truncate(before + 1 + num_accepted)
 
     def fork(self, rows: torch.Tensor | list[int]) -> "KVCache":

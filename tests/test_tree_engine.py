@@ -1,0 +1,216 @@
+"""Candidate trees through the engine: tree proposers (suffix lookup, the draft head's dynamic
+trees), greedy identity, the exact joint law at T = 0.7 with its negative control, cache
+compaction, pruning and the tree budget controller."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec.tree as tree_module
+from specdec.adaptive import TreeBudget
+from specdec.engine import commit_kv, generate, score_tree
+from specdec.proposers import HybridProposer
+from specdec.proposers.base import Proposal
+from specdec.proposers.head import DraftHead, HeadConfig, HeadNet, HeadTreeProposer
+from specdec.proposers.suffix import SuffixIndex, SuffixProposer, build_tree
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.tree import TreeVerification, verify_tree
+from stats import ALPHA, chi_square_pvalue
+from tiny_models import exact_joint, hf_tiny, ours
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 4, 5], [7, 8, 9, 7, 8, 9, 7], [3]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return ours(hf_tiny("qwen2", seed=0), "int8")
+
+
+def _head(target, vocab: int, seed: int) -> DraftHead:
+    """An untrained head over the first ``vocab`` ids (poor guesses, but deterministic ones:
+    exactness must not depend on the head's quality)."""
+    cfg = HeadConfig.for_target(target.cfg, intermediate_size=96)
+    ids = torch.arange(vocab)
+    rows = target.embed[ids].float().clone()
+    net = HeadNet(cfg, ids, target.embed.float(), target.final_norm.float(), rows, seed)
+    return DraftHead(net.cfg, net.export(), net.vocab_ids, target, net.lm_rows, target.dtype_name)
+
+
+def _proposers(target):
+    head = _head(target, 64, seed=1)
+    return {
+        "suffix": lambda: SuffixProposer(min_match=1),
+        "head-tree": lambda: HeadTreeProposer(head, 96, width=3, depth=4),
+        "hybrid-tree": lambda: HybridProposer(SuffixProposer(), HeadTreeProposer(head, 96, width=2, depth=3)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["suffix", "head-tree", "hybrid-tree"])
+@pytest.mark.parametrize("k", [1, 4, 9, "auto"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_is_token_identical_to_plain_decoding(target, kind, k, batch):
+    prompts = PROMPTS[:batch]
+    plain = generate(target, prompts, GREEDY, 40)
+    spec = generate(target, prompts, GREEDY, 40, proposer=_proposers(target)[kind](), k=k, k_max=9)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    if kind == "suffix" and k != 1:  # the repetitive prompts are predicted: fewer target calls
+        assert spec[0].batch_metrics.target_calls < plain[0].batch_metrics.target_calls
+
+
+def test_trees_are_used_and_bushy(target):
+    """The head's trees really branch (more nodes than depth), and the stats say so."""
+    spec = generate(target, PROMPTS, GREEDY, 24, proposer=_proposers(target)["head-tree"](), k=9)
+    acc = spec[0].batch_metrics.acceptance
+    assert acc.calls > 0 and acc.scored > acc.drafted  # nodes scored > depth positions
+
+
+# -- exactness under sampling ---------------------------------------------------------------------
+V_SMALL, N_SAMPLES = 6, 100_000
+PARAMS = SamplingParams(temperature=0.7, top_k=5)
+PROMPT = [1, 4, 2]
+
+
+@pytest.fixture(scope="module")
+def small():
+    return ours(hf_tiny("llama", vocab=V_SMALL, seed=3), "int8")
+
+
+def _counts(target, proposer, k):
+    # 4 tokens, of which the first 3 are counted: the step after the first token then drafts
+    # trees of depth 2 (a step drafts at most one token fewer than the row still needs)
+    rows = generate(target, [PROMPT] * N_SAMPLES, PARAMS, 4, proposer=proposer, k=k, seed=11)
+    tokens = torch.tensor([r.token_ids[:3] for r in rows])  # [N, 3]
+    counts = torch.bincount((tokens[:, 0] * V_SMALL + tokens[:, 1]) * V_SMALL + tokens[:, 2], minlength=V_SMALL**3)
+    return counts, rows[0].batch_metrics.acceptance
+
+
+def _small_tree_proposer(target):
+    # 5 of 6 ids in the head's vocabulary: one id is never a candidate; 2 children per node, depth 2
+    return HeadTreeProposer(_head(target, 5, seed=2), 16, width=2, depth=2)
+
+
+def test_first_three_tokens_follow_the_exact_target_law(small):
+    """Power: 10^5 samples over <= 216 cells (every committed position of the first three); the
+    negative control below, the same run with a verifier that does not update the target
+    distribution after a rejected sibling, fails with p < 1e-12."""
+    counts, acc = _counts(small, _small_tree_proposer(small), 4)
+    assert acc.scored > acc.drafted  # real trees (siblings) were verified
+    assert 0.1 < acc.accepted / acc.drafted < 0.95  # acceptance and rejection both happen
+    assert chi_square_pvalue(counts, exact_joint(small, PROMPT, PARAMS, V_SMALL)) > ALPHA
+
+
+def test_negative_control_without_the_sibling_residual_fails(small, monkeypatch):
+    monkeypatch.setattr(tree_module, "residual_distribution", lambda p, q, tolerance=1e-6: p)
+    counts, _ = _counts(small, _small_tree_proposer(small), 4)
+    assert chi_square_pvalue(counts, exact_joint(small, PROMPT, PARAMS, V_SMALL)) < 1e-12
+
+
+def test_seeded_sampling_with_trees_is_reproducible(target):
+    params = SamplingParams(temperature=0.8)
+    runs = [generate(target, PROMPTS, params, 30, proposer=_proposers(target)["head-tree"](), k=6, seed=5)
+            for _ in range(2)]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+
+
+# -- the head's tree drafting, the cache, pruning ---------------------------------------------------
+def test_head_tree_candidates_are_the_heads_own_best_guesses(target):
+    """Level 1 of the tree = the head's top-`width` tokens at the root; a chain head with the same
+    weights drafts the first of them greedily; scores never increase down the tree."""
+    from specdec.proposers.head import HeadProposer
+
+    head = _head(target, 64, seed=1)
+    prompt = [[4, 8, 15, 16, 23, 42]]
+    hidden = target(torch.tensor(prompt), target.new_cache(1, 32), return_hidden=True)[1]
+    tree = HeadTreeProposer(head, 32, width=3, depth=3)
+    chain = HeadProposer(head, 32)
+    for p in (tree, chain):
+        p.start(prompt, [GREEDY], torch.Generator().manual_seed(0), target_hidden=hidden)
+    t = tree.propose([[7]], 9)
+    c = chain.propose([[7]], 3)
+    roots = t.tokens[0][t.parents[0] == -1]
+    assert c.tokens[0, 0] == roots[0]
+    assert roots.numel() == 3
+    par = t.parents[0]
+    has = par >= 0
+    assert bool((t.scores[0][has] <= t.scores[0][par[has]] + 1e-6).all())
+    # the deepest path the chain drafted is in the tree when the tree keeps its best branch
+    first_child = t.tokens[0][(par == int(torch.nonzero(t.tokens[0] == c.tokens[0, 0])[0]))]
+    assert int(c.tokens[0, 1]) in first_child.tolist()
+
+
+def test_compaction_after_a_tree_step_equals_fresh_computation(target):
+    """One engine tree step whose accepted branch is out of place (a rejected sibling first):
+    after compaction the cache's committed K/V equal a fresh prefill of the committed text, bit
+    for bit (int8), and the next logits agree."""
+    prompt = [5, 9, 14, 2, 7, 31, 40]
+    a, b, c = generate(target, [prompt], GREEDY, 3)[0].token_ids
+    wrong = lambda t: (t + 1) % target.vocab_size  # noqa: E731
+    tokens = torch.tensor([[wrong(a), a, wrong(b), b, c]])
+    parents = torch.tensor([[-1, -1, 1, 1, 3]])  # accepted path: nodes 1 -> 3 -> 4
+    cache = target.new_cache(1, 64)
+    target(torch.tensor([prompt[:-1]]), cache)
+    before = cache.lengths.clone()
+    proposal = Proposal(tokens, None, parents=parents, scores=torch.ones(1, 5))
+    logits, _ = score_tree(target, cache, torch.tensor([prompt[-1]]), proposal, False)
+    result = verify_tree(probs_from_logits(logits, GREEDY), None, tokens, parents)
+    assert result.path.tolist() == [[1, 3, 4]]
+    last, _ = commit_kv(cache, before, result, None)
+    committed = prompt + [a, b, c]
+    fresh = target.new_cache(1, 64)
+    target(torch.tensor([committed]), fresh)
+    n = len(committed)
+    assert cache.lengths.tolist() == [n]
+    assert torch.equal(cache.k[:, :, :, :n], fresh.k[:, :, :, :n]) and torch.equal(cache.v[:, :, :, :n], fresh.v[:, :, :, :n])
+    assert torch.equal(target(last.view(1, 1), cache), target(last.view(1, 1), fresh))
+
+
+def test_prune_keeps_a_valid_tree_of_the_best_nodes():
+    tokens = torch.tensor([[10, 11, 12, 13, 14, -1]])
+    parents = torch.tensor([[-1, -1, 0, 0, 2, -1]])
+    scores = torch.tensor([[0.6, 0.3, 0.5, 0.05, 0.4, 0.0]])
+    p = Proposal(tokens, None, parents=parents, scores=scores)
+    kept = p.prune(3)
+    assert kept.tokens.tolist() == [[10, 12, 14]]
+    assert kept.parents.tolist() == [[-1, 0, 1]]
+    assert p.prune(0).size == 0 and p.prune(9) is p
+    bad = Proposal(tokens, None, parents=parents, scores=torch.tensor([[0.1, 0.3, 0.5, 0.0, 0.4, 0.0]]))
+    with pytest.raises(ValueError, match="parent"):
+        bad.prune(2)
+
+
+def test_suffix_tree_merges_continuations_by_frequency():
+    tokens, parents, scores = build_tree([[1, 2, 3], [1, 2, 4], [1, 5], [6]], budget=4)
+    assert tokens == [1, 2, 3, 4] or tokens == [1, 2, 5, 6] or len(tokens) == 4
+    assert tokens[:2] == [1, 2] and parents[:2] == [-1, 0] and scores[:2] == [0.75, 0.5]
+    index = SuffixIndex(4)
+    index.extend([1, 2, 3, 9, 1, 2, 4, 9, 1, 2])
+    assert index.continuations((1, 2), 2, 8, before=9) == [[4, 9], [3, 9]]
+
+
+def test_suffix_proposer_learns_from_finished_outputs(target):
+    """The shared history: a request whose text another request produced before is predicted."""
+    proposer = SuffixProposer(min_match=2)
+    first = generate(target, [[3, 1, 4, 1, 5]], GREEDY, 30, proposer=proposer, k=6)
+    again = generate(target, [[3, 1, 4, 1, 5]], GREEDY, 30, proposer=proposer, k=6)
+    assert again[0].token_ids == first[0].token_ids
+    assert again[0].batch_metrics.target_calls < first[0].batch_metrics.target_calls
+
+
+def test_tree_budget_prefers_nodes_that_pay(target):
+    budget = TreeBudget(8)
+    budget.verify_cost = {1: 1.0, 9: 1.8}
+    tokens = torch.arange(8).unsqueeze(0)
+    parents = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6]])
+    sure = Proposal(tokens, None, parents=parents, scores=torch.ones(1, 8))
+    hopeless = Proposal(tokens, None, parents=parents, scores=torch.full((1, 8), 1e-4))
+    assert budget.nodes(sure) == 8
+    assert budget.nodes(hopeless) == 0
+    # after a step that accepted nothing at depth 1 with confident scores, calibration drops
+    result = TreeVerification(torch.tensor([0]), torch.tensor([[1]]), torch.full((1, 8), -1))
+    for _ in range(100):  # (forgetting 0.97: the estimates settle within ~100 steps)
+        budget.observe_step(sure, result, 0.0, 1.8, caught_up=False)
+    assert budget.calibration(1) < 0.1
+    assert budget.nodes(sure) == 0
+    assert budget.choose() == 0  # drafting is skipped until a probe

@@ -152,8 +152,14 @@ class TreeBudget:
     verified nodes at depth d, with forgetting; prior 1). The step keeps
     ``n* = argmax_n sum_rows E_row(n) / (d + v(n + 1))``, ``d`` the measured drafting time per
     step and ``v`` the measured verification time per block size (interpolated as for chains).
-    ``n = 0`` is plain decoding at ``B / v(1)``: when the best tree does not beat it, drafting is
-    skipped for the next steps, with a probe every ``probe_every`` steps.
+    ``n = 0`` is plain decoding at ``B / v(1)``.
+
+    Two decisions, two time frames. Once a tree is drafted its drafting time is spent, so the
+    step keeps ``n* = argmax_n sum_rows E_row(n) / v(n + 1)`` (n = 0 included: a hopeless tree is
+    not verified). Whether to draft at all is decided on the average: each drafted step also
+    measures ``gain = max_{n>=1} sum_rows E_row(n) / (d + v(n + 1)) / (B / v(1))`` — what drafting
+    bought, its cost ``d`` included — and drafting continues while an exponential average of that
+    gain is at least 1; otherwise it pauses, with a probe every ``probe_every`` steps.
     """
 
     max_nodes: int
@@ -165,7 +171,7 @@ class TreeBudget:
     predicted: list[float] = field(default_factory=list)
     draft_cost: float | None = None
     verify_cost: dict[int, float] = field(default_factory=dict)
-    _pays: bool = True
+    gain: float | None = None  # exponential average of what drafting bought (see above)
     _since_spec: int = 0
 
     def __post_init__(self) -> None:
@@ -181,7 +187,7 @@ class TreeBudget:
 
     def choose(self) -> int:
         """Nodes to ask the proposer for this step: ``max_nodes``, or 0 while trees do not pay."""
-        if self._pays or self.max_nodes == 0:
+        if self.gain is None or self.gain >= 1.0 or self.max_nodes == 0:
             self._since_spec = 0
             return self.max_nodes
         self._since_spec += 1
@@ -204,10 +210,11 @@ class TreeBudget:
         gain = torch.sort(value, dim=1, descending=True).values.sum(0).cumsum(0)  # [N] summed over rows
         rows = proposal.tokens.shape[0]
         costs = verify_costs(self.verify_cost, size + 1)
+        expected = [float(rows)] + [rows + float(gain[n - 1]) for n in range(1, size + 1)]
+        best = max(range(size + 1), key=lambda n: (expected[n] / costs[n], -n))  # drafting is spent
         draft = self.draft_cost or 0.0
-        rates = [rows / costs[0]] + [(rows + float(gain[n - 1])) / (draft + costs[n]) for n in range(1, size + 1)]
-        best = max(range(size + 1), key=lambda n: (rates[n], -n))
-        self._pays = best > 0
+        bought = max(expected[n] / (draft + costs[n]) for n in range(1, size + 1)) / (rows / costs[0])
+        self.gain = bought if self.gain is None else self.gain + self.ema * (bought - self.gain)
         return best
 
     def observe_step(self, proposal, result, draft_seconds: float, verify_seconds: float, caught_up: bool) -> None:

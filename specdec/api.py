@@ -12,7 +12,8 @@ from typing import Callable
 from specdec.detokenize import IncrementalDetokenizer, StopFinder
 from specdec.engine import RowResult, generate
 from specdec.metrics import GenerationMetrics
-from specdec.proposers import PROPOSERS, DraftModelProposer, HeadProposer, HybridProposer, NgramProposer
+from specdec.proposers import (PROPOSERS, DraftModelProposer, HeadProposer, HeadTreeProposer, HybridProposer,
+                               NgramProposer, SuffixProposer)
 from specdec.proposers.head import DraftHead
 from specdec.models import heads, loading
 from specdec.runtime.linear import DEFAULT_DTYPE
@@ -165,10 +166,11 @@ def resolve_proposer(requested: str | None, *, draft: bool, head: bool) -> str |
 
 
 def hybrid_model(kind: str | None, *, draft: bool, head: bool) -> str | None:
-    """What backs a hybrid proposer's model side: "hybrid-head" the draft head; "hybrid" the
-    draft model if one is loaded, else the head if there is one, else the early exit."""
-    if kind == "hybrid-head":
-        return "head"
+    """What backs a hybrid proposer's model side: "hybrid-head" the draft head, "hybrid-tree" the
+    head's trees; "hybrid" the draft model if one is loaded, else the head if there is one, else
+    the early exit."""
+    if kind in ("hybrid-head", "hybrid-tree"):
+        return kind.replace("hybrid-", "")
     if kind != "hybrid":
         return None
     return "draft" if draft else "head" if head else "early-exit"
@@ -179,16 +181,22 @@ def _make_proposer(gen: "TextGenerator", kind: str, capacity: int, ngram: tuple[
         raise ValueError(f"unknown proposer {kind!r}; choose one of {', '.join(p for p in PROPOSERS if p != 'none')}")
     if kind == "ngram":
         return NgramProposer(*ngram)
+    if kind == "suffix":
+        return SuffixProposer()
     if kind == "draft" and gen.draft is None:
         raise ValueError("proposer 'draft' needs a draft model (draft=NAME_OR_PATH)")
     backing = hybrid_model(kind, draft=gen.draft is not None, head=gen.head_path is not None)
-    if kind == "head" or backing == "head":
+    if kind == "head-tree" or backing == "tree":
+        model_draft = HeadTreeProposer(gen.draft_head(), capacity)
+    elif kind == "head" or backing == "head":
         model_draft = HeadProposer(gen.draft_head(), capacity)
     elif kind == "early-exit" or backing == "early-exit":
         layers = exit_layer or max(1, gen.target.model.cfg.num_layers // 4)
         model_draft = DraftModelProposer(gen.target.model.truncated(layers), capacity)
     else:
         model_draft = DraftModelProposer(gen.draft.model, capacity)
+    if backing == "tree":
+        return HybridProposer(SuffixProposer(), model_draft)
     if backing is not None:
         return HybridProposer(NgramProposer(*ngram), model_draft)
     return model_draft

@@ -203,8 +203,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--proposer", choices=PROPOSERS, default=None,
                    help="where drafts come from: the target's draft head, a draft model, n-gram prompt "
                    "lookup, the target's own first layers, hybrid (n-gram when it matches, else the draft "
-                   "model / head / early exit), hybrid-head, or none (plain decoding). Default: draft with "
-                   "--draft, else hybrid over the draft head when the target has one, else none")
+                   "model / head / early exit), hybrid-head; candidate trees (several guesses per position, "
+                   "verified exactly in one call): suffix (frequent continuations of the text so far), "
+                   "head-tree (the head's dynamic trees), hybrid-tree (suffix when it matches, else head trees); "
+                   "or none (plain decoding). With a tree proposer --k is the node budget. Default: draft "
+                   "with --draft, else hybrid over the draft head when the target has one, else none")
     p.add_argument("--head", default=None, metavar="PATH",
                    help="draft head file (from `specdec train-head`; default: the one shipped for --target)")
     p.add_argument("--k", type=_k_value, default=None,
@@ -279,13 +282,13 @@ def _check_generate_options(args: argparse.Namespace) -> str | None:
     proposer = resolve_proposer(args.proposer, draft=bool(args.draft), head=has_head)
     backing = hybrid_model(proposer, draft=bool(args.draft), head=has_head)
     early_exit = proposer == "early-exit" or backing == "early-exit"
-    uses_head = proposer == "head" or backing == "head"
-    if proposer == "head" and not has_head:
-        raise UsageError(f"--proposer head: {args.target} has no shipped draft head; train one with "
+    uses_head = proposer in ("head", "head-tree") or backing in ("head", "tree")
+    if proposer in ("head", "head-tree", "hybrid-head", "hybrid-tree") and not has_head:
+        raise UsageError(f"--proposer {proposer}: {args.target} has no shipped draft head; train one with "
                          "`specdec train-head` and pass it with --head PATH")
     ignored = [
         ("--k", args.k is not None and proposer is None, "a proposer (--proposer none decodes plainly)"),
-        ("--head", args.head is not None and not uses_head, "--proposer head, hybrid or hybrid-head"),
+        ("--head", args.head is not None and not uses_head, "--proposer head, hybrid, hybrid-head, head-tree or hybrid-tree"),
         ("--k-max", args.k_max is not None and args.k not in (None, "auto"), "--k auto"),
         ("--system", args.system is not None and not args.chat, "--chat"),
         ("--draft-dtype", args.draft_dtype is not None and not args.draft, "--draft"),

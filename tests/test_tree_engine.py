@@ -212,5 +212,6 @@ def test_tree_budget_prefers_nodes_that_pay(target):
     for _ in range(100):  # (forgetting 0.97: the estimates settle within ~100 steps)
         budget.observe_step(sure, result, 0.0, 1.8, caught_up=False)
     assert budget.calibration(1) < 0.1
-    assert budget.nodes(sure) == 0
-    assert budget.choose() == 0  # drafting is skipped until a probe
+    assert all(budget.nodes(sure) == 0 for _ in range(20))  # (the gain's average settles below 1)
+    assert budget.gain < 1
+    assert [budget.choose() for _ in range(8)] == [0] * 7 + [8]  # drafting pauses, with a probe

@@ -9,7 +9,9 @@ Methods (``--methods``, comma-separated):
   (``draft`` with fixed ``--k``, the others with adaptive k);
 * ``head``, ``head_auto``, ``hybrid_head`` — the target's draft head (fixed ``--k`` / adaptive k /
   with n-gram lookup when it matches, adaptive k);
-* ``ngram_kN`` / ``draft_kN`` / ``head_kN`` — fixed k = N, for the speed-up-against-k plot.
+* ``suffix``, ``head_tree``, ``hybrid_tree`` — candidate trees (suffix lookup / the head's dynamic
+  trees / suffix when it matches, else head trees), node budget chosen each step;
+* ``ngram_kN`` / ``draft_kN`` / ``head_kN`` / ``head_tree_kN`` — fixed k = N (for trees: N nodes).
 
 Every run is appended to ``runs.jsonl`` in ``--out`` as soon as it finishes, and a rerun skips
 runs already there, so an interrupted bench resumes. At the end ``results.json`` (all runs, the
@@ -36,7 +38,8 @@ from specdec.sampling import SamplingParams
 
 ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",
                "early_exit", "hybrid", "ngram_k1", "ngram_k2", "ngram_k4", "ngram_k8",
-               "draft_k1", "draft_k2", "draft_k4", "draft_k8", "head", "head_auto", "hybrid_head"]
+               "draft_k1", "draft_k2", "draft_k4", "draft_k8", "head", "head_auto", "hybrid_head",
+               "suffix", "head_tree", "hybrid_tree"]
 QUICK_METHODS = ["hf_plain", "hf_assisted", "plain", "draft_auto", "ngram", "hybrid", "ngram_k2", "ngram_k8"]
 
 
@@ -51,10 +54,11 @@ def _method_spec(method: str, k_fixed: int) -> tuple[str | None, int | str]:
         return None, 0
     if method in ("draft", "head"):
         return method, k_fixed
-    if method.endswith("_auto") or method in ("ngram", "early_exit", "hybrid", "hybrid_head"):
+    if method.endswith("_auto") or method in ("ngram", "early_exit", "hybrid", "hybrid_head", "suffix",
+                                              "head_tree", "hybrid_tree"):
         return method.replace("_auto", "").replace("_", "-"), "auto"
     name, k = method.rsplit("_k", 1)
-    return name, int(k)
+    return name.replace("_", "-"), int(k)
 
 
 class Bench:

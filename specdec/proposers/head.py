@@ -342,8 +342,9 @@ class HeadTreeProposer(HeadProposer):
     Depth by depth, the ``width`` best nodes so far (score = product of the head's probabilities
     along the path) are expanded in ONE head call (tree attention over the head's own cache: each
     node sees the committed pairs and its ancestors), each offering its ``width`` most probable
-    children. After ``depth`` levels (at most the node budget ``k``) the ``k`` best-scoring nodes
-    form the tree. Scores rank by the head's distribution processed with the row's own sampling
+    children. After ``depth`` levels (at most the node budget ``k``), or earlier once no node of
+    the newest level scores ``min_score`` (drafting costs a head call per level, and such nodes
+    rarely pay for their verification on this CPU), the ``k`` best-scoring nodes form the tree. Scores rank by the head's distribution processed with the row's own sampling
     parameters (the raw distribution for greedy rows, whose processed one is one-hot).
 
     The candidates are a deterministic function of the committed text, so they are verified as
@@ -353,11 +354,11 @@ class HeadTreeProposer(HeadProposer):
 
     emits_trees = True
 
-    def __init__(self, head: DraftHead, capacity: int, width: int = 4, depth: int = 5) -> None:
-        if width < 1 or depth < 1:
-            raise ValueError(f"width and depth must be >= 1, got {width}, {depth}")
+    def __init__(self, head: DraftHead, capacity: int, width: int = 4, depth: int = 5, min_score: float = 0.2) -> None:
+        if width < 1 or depth < 1 or not 0 <= min_score <= 1:
+            raise ValueError(f"need width >= 1, depth >= 1 and 0 <= min_score <= 1, got {width}, {depth}, {min_score}")
         super().__init__(head, capacity + width * depth)  # the expanded nodes' slots while drafting
-        self.width, self.depth = width, depth
+        self.width, self.depth, self.min_score = width, depth, min_score
 
     def _rank_probs(self, subset_logits: torch.Tensor) -> torch.Tensor:
         """``[B, W, N]`` subset logits -> the probabilities candidates are ranked by."""
@@ -383,6 +384,8 @@ class HeadTreeProposer(HeadProposer):
         guesses = guess.new_zeros(batch, 0, guess.shape[-1])  # [B, F, E] the head's guess after each fed node
         level_start = 0
         for level in range(1, min(self.depth, k)):
+            if float(scores[:, level_start:].max()) < self.min_score:
+                break  # no row has a node worth a deeper level
             # expand the `width` best nodes of the newest level, each offering its `width` best children
             frontier = level_start + scores[:, level_start:].topk(width, dim=1).indices.sort(dim=1).values  # [B, W]
             if level == 1:

@@ -15,6 +15,7 @@ from specdec.metrics import GenerationMetrics
 from specdec.proposers import (PROPOSERS, DraftModelProposer, HeadProposer, HeadTreeProposer, HybridProposer,
                                NgramProposer, SuffixProposer)
 from specdec.proposers.head import DraftHead
+from specdec.proposers.suffix import SuffixHistory
 from specdec.models import heads, loading
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.sampling import SamplingParams
@@ -45,6 +46,8 @@ class TextGenerator:
     eos_token_ids: set[int] = field(default_factory=set)
     head_path: Path | None = None  # the draft head to use, loaded on first use (see draft_head)
     _head: DraftHead | None = None
+    # Earlier outputs, shared by the suffix proposers of later calls (what other requests wrote).
+    suffix_history: SuffixHistory = field(default_factory=SuffixHistory)
 
     @classmethod
     def load(cls, target: str, draft: str | None = None, dtype: str = DEFAULT_DTYPE, draft_dtype: str | None = None,
@@ -182,7 +185,7 @@ def _make_proposer(gen: "TextGenerator", kind: str, capacity: int, ngram: tuple[
     if kind == "ngram":
         return NgramProposer(*ngram)
     if kind == "suffix":
-        return SuffixProposer()
+        return SuffixProposer(history=gen.suffix_history)
     if kind == "draft" and gen.draft is None:
         raise ValueError("proposer 'draft' needs a draft model (draft=NAME_OR_PATH)")
     backing = hybrid_model(kind, draft=gen.draft is not None, head=gen.head_path is not None)
@@ -196,7 +199,7 @@ def _make_proposer(gen: "TextGenerator", kind: str, capacity: int, ngram: tuple[
     else:
         model_draft = DraftModelProposer(gen.draft.model, capacity)
     if backing == "tree":
-        return HybridProposer(SuffixProposer(), model_draft)
+        return HybridProposer(SuffixProposer(history=gen.suffix_history), model_draft)
     if backing is not None:
         return HybridProposer(NgramProposer(*ngram), model_draft)
     return model_draft

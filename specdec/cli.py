@@ -464,12 +464,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specdec.bench.suite import ALL_METHODS, QUICK_METHODS, run_bench
+    from specdec.bench.suite import ALL_METHODS, QUICK_METHODS, known_method, run_bench
 
     methods = args.methods.split(",") if args.methods else (QUICK_METHODS if args.quick else ALL_METHODS)
-    unknown = [m for m in methods if m not in ALL_METHODS]
+    unknown = [m for m in methods if not known_method(m)]
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}, or ngram/draft/head/"
+                         "head_tree with a fixed k as NAME_kN (e.g. head_tree_k6)")
     temps = [float(t) for t in args.temperature.split(",")]
     per_cat = args.prompts_per_category or (1 if args.quick else None)
     tokens = args.max_new_tokens or (32 if args.quick else 64)

@@ -63,6 +63,8 @@ def _one_line(err: str) -> str:
         (["--proposer", "none", "--k", "3"], "--k has no effect without a proposer"),
         (["--proposer", "ngram", "--head", "h.safetensors"], "--head has no effect"),
         (["--proposer", "head"], "has no shipped draft head"),
+        (["--proposer", "hybrid-tree"], "has no shipped draft head"),
+        (["--proposer", "suffix", "--ngram-max", "3"], "--ngram-min/--ngram-max has no effect"),
         (["--proposer", "draft"], "--proposer draft needs --draft"),
         (["--draft", "small", "--proposer", "ngram"], "--draft has no effect with --proposer ngram"),
     ],
@@ -106,6 +108,16 @@ def test_missing_model_and_damaged_gguf(capsys, tmp_path):
     code, out, err = _run(capsys, "generate", "--target", str(gguf), "--prompt", "hi")
     assert code == 1 and out == ""
     assert "damaged or not a supported GGUF" in err.splitlines()[-1]
+
+
+def test_suffix_trees_from_the_command_line(capsys, model_dir):
+    base = ["generate", "--target", model_dir, "--prompt", "abcabcabcabc", "--max-new-tokens", "12", "--json"]
+    code, plain, err = _run(capsys, *base)
+    assert code == 0, err
+    code, spec, err = _run(capsys, *base, "--proposer", "suffix", "--k", "6")
+    assert code == 0, err
+    assert json.loads(spec)["token_ids"] == json.loads(plain)["token_ids"]
+    assert json.loads(spec)["metrics"]["acceptance"]["scored_draft_tokens"] > 0
 
 
 def test_tiny_temperature_is_greedy_and_json_is_valid(capsys, model_dir):
@@ -198,7 +210,7 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
             "--json"]
     code, plain, err = _run(capsys, *base, "--proposer", "none")
     assert code == 0, err
-    for proposer in ("head", "hybrid-head"):
+    for proposer in ("head", "hybrid-head", "head-tree", "hybrid-tree"):
         code, spec, err = _run(capsys, *base, "--proposer", proposer, "--head", str(out), "--k", "3")
         assert code == 0, err
         assert json.loads(spec)["token_ids"] == json.loads(plain)["token_ids"]

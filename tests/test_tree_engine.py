@@ -13,7 +13,7 @@ from specdec.engine import commit_kv, generate, score_tree
 from specdec.proposers import HybridProposer
 from specdec.proposers.base import Proposal
 from specdec.proposers.head import DraftHead, HeadConfig, HeadNet, HeadTreeProposer
-from specdec.proposers.suffix import SuffixIndex, SuffixProposer, build_tree
+from specdec.proposers.suffix import SuffixHistory, SuffixIndex, SuffixProposer, build_tree
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.tree import TreeVerification, verify_tree
 from stats import ALPHA, chi_square_pvalue
@@ -123,7 +123,7 @@ def test_head_tree_candidates_are_the_heads_own_best_guesses(target):
     head = _head(target, 64, seed=1)
     prompt = [[4, 8, 15, 16, 23, 42]]
     hidden = target(torch.tensor(prompt), target.new_cache(1, 32), return_hidden=True)[1]
-    tree = HeadTreeProposer(head, 32, width=3, depth=3)
+    tree = HeadTreeProposer(head, 32, width=3, depth=3, min_score=0.0)  # (an untrained head is unsure)
     chain = HeadProposer(head, 32)
     for p in (tree, chain):
         p.start(prompt, [GREEDY], torch.Generator().manual_seed(0), target_hidden=hidden)
@@ -215,3 +215,13 @@ def test_tree_budget_prefers_nodes_that_pay(target):
     assert all(budget.nodes(sure) == 0 for _ in range(20))  # (the gain's average settles below 1)
     assert budget.gain < 1
     assert [budget.choose() for _ in range(8)] == [0] * 7 + [8]  # drafting pauses, with a probe
+
+
+def test_suffix_history_is_bounded_and_never_matches_across_outputs():
+    history = SuffixHistory(max_match=4, max_tokens=40)
+    for i in range(30):
+        history.add([i, i + 1, i + 2])
+    assert len(history.index.tokens) <= 40
+    assert history.index.continuations((29, 30), 3, 8) == [[31]]  # cut at the output's end
+    assert history.index.continuations((2,), 3, 8) == []  # the oldest outputs were dropped
+    assert history.index.continuations((31, -1), 3, 8) == []  # no n-gram spans a separator

@@ -43,6 +43,16 @@ ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", 
 QUICK_METHODS = ["hf_plain", "hf_assisted", "plain", "draft_auto", "ngram", "hybrid", "ngram_k2", "ngram_k8"]
 
 
+FIXED_K = ("ngram", "draft", "head", "head_tree")  # methods that also run as NAME_kN (k = N)
+
+
+def known_method(method: str) -> bool:
+    if method in ALL_METHODS:
+        return True
+    name, _, k = method.rpartition("_k")
+    return name in FIXED_K and k.isdigit() and int(k) >= 1
+
+
 def load_workloads() -> dict:
     data = json.loads(resources.files("specdec.bench").joinpath("workloads.json").read_text())
     return {k: v for k, v in data.items() if not k.startswith("_")}

@@ -3,8 +3,9 @@
 Each row keeps an index from every n-gram (n = 1..``max_match``) of its text — the prompt and
 everything committed since — to the positions where it ends; this answers the suffix-tree query
 the proposer needs ("where did the longest suffix of the context occur before?") in O(max_match)
-per step and O(max_match) per appended token. A shared index over earlier finished outputs (of
-this proposer's earlier rows and calls, e.g. other requests in a server) is consulted too.
+per step and O(max_match) per appended token. A :class:`SuffixHistory` of earlier finished
+outputs (of this proposer's earlier rows, and of earlier calls or other requests when it is
+shared, as :class:`~specdec.api.TextGenerator` shares one) is consulted too.
 
 At each step the longest suffix of the context (up to ``max_match`` tokens, at least
 ``min_match``) that occurred before is looked up; the continuations that followed its latest
@@ -89,6 +90,27 @@ def build_tree(continuations: list[list[int]], budget: int) -> tuple[list[int], 
     return ([tokens[i] for i in keep], [new.get(parents[i], -1) for i in keep], [counts[i] / total for i in keep])
 
 
+class SuffixHistory:
+    """Finished outputs (of earlier rows, calls or requests) in one bounded suffix index, shared by
+    suffix proposers. At most ``max_tokens`` tokens: past that the older half is dropped."""
+
+    def __init__(self, max_match: int = 8, max_tokens: int = 200_000) -> None:
+        if max_match < 1 or max_tokens < 0:
+            raise ValueError("max_match must be >= 1 and max_tokens >= 0")
+        self.max_tokens = max_tokens
+        self.index = SuffixIndex(max_match)
+
+    def add(self, output: list[int]) -> None:
+        if not output or self.max_tokens == 0:
+            return
+        output = output[-(self.max_tokens // 2):]
+        if len(self.index.tokens) + len(output) + 1 > self.max_tokens:  # keep the newer half
+            recent = self.index.tokens[len(self.index.tokens) // 2:]
+            self.index = SuffixIndex(self.index.max_match)
+            self.index.extend(recent)
+        self.index.extend([SEPARATOR] + output)
+
+
 class SuffixProposer:
     """Candidate trees from the context's own repetitions (and a shared history of earlier outputs)."""
 
@@ -96,14 +118,13 @@ class SuffixProposer:
     emits_trees = True
 
     def __init__(self, min_match: int = 2, max_match: int = 8, max_occurrences: int = 32,
-                 shared_tokens: int = 200_000) -> None:
+                 history: SuffixHistory | None = None) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
-        if max_occurrences < 1 or shared_tokens < 0:
-            raise ValueError("max_occurrences must be >= 1 and shared_tokens >= 0")
+        if max_occurrences < 1:
+            raise ValueError("max_occurrences must be >= 1")
         self.min_match, self.max_match, self.max_occurrences = min_match, max_match, max_occurrences
-        self.shared_tokens = shared_tokens
-        self.shared = SuffixIndex(max_match)  # earlier finished outputs, SEPARATOR between them
+        self.history = SuffixHistory(max_match) if history is None else history
         self.rows: list[SuffixIndex] = []
         self._prompt_lengths: list[int] = []
 
@@ -125,7 +146,7 @@ class SuffixProposer:
             suffix = tuple(text[len(text) - n:])
             conts = index.continuations(suffix, budget, self.max_occurrences, before=len(text) - 1)
             if len(conts) < self.max_occurrences:
-                conts += self.shared.continuations(suffix, budget, self.max_occurrences - len(conts))
+                conts += self.history.index.continuations(suffix, budget, self.max_occurrences - len(conts))
             if conts:
                 return build_tree(conts, budget)
         return [], [], []
@@ -159,15 +180,6 @@ class SuffixProposer:
         kept = set(rows)
         for i, index in enumerate(self.rows):
             if i not in kept:  # a finished row: its output joins the shared history
-                self._share(index.tokens[self._prompt_lengths[i]:])
+                self.history.add(index.tokens[self._prompt_lengths[i]:])
         self.rows = [self.rows[i] for i in rows]
         self._prompt_lengths = [self._prompt_lengths[i] for i in rows]
-
-    def _share(self, output: list[int]) -> None:
-        if not output or self.shared_tokens == 0:
-            return
-        if len(self.shared.tokens) + len(output) + 1 > self.shared_tokens:  # keep the newer half
-            recent = self.shared.tokens[len(self.shared.tokens) // 2:]
-            self.shared = SuffixIndex(self.max_match)
-            self.shared.extend(recent)
-        self.shared.extend([SEPARATOR] + output[-self.shared_tokens // 2:])

@@ -41,6 +41,10 @@ def _make(kind, target, draft, capacity):
         return DraftModelProposer(target.truncated(1), capacity)
     if kind == "hybrid":
         return HybridProposer(NgramProposer(1, 3), DraftModelProposer(draft, capacity))
+    if kind == "pruned":  # FR-Spec: logits for all ids but the last (never drafted); any rows are exact
+        ids = torch.arange(draft.vocab_size - 1)
+        return DraftModelProposer(draft.with_output_rows(draft.embed[ids].float()), capacity,
+                                  vocab_ids=ids, vocab_size=draft.vocab_size)
     return DraftModelProposer(draft, capacity)
 
 
@@ -54,7 +58,7 @@ def pair():
 REPETITIVE = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 1, 2, 3, 1], [4, 4, 4, 4], [9, 3, 9, 3, 9]]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "draft"])
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "draft", "pruned"])
 @pytest.mark.parametrize("k", [3, "auto"])
 def test_greedy_identity_for_every_proposer(pair, kind, k):
     target, draft = pair
@@ -63,6 +67,16 @@ def test_greedy_identity_for_every_proposer(pair, kind, k):
     proposer = _make(kind, target, draft, 64)
     spec = generate(target, prompts, GREEDY, 30, proposer=proposer, k=k, k_max=6)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+
+
+def test_pruned_draft_never_drafts_ids_outside_its_subset(pair):
+    target, draft = pair
+    proposer = _make("pruned", target, draft, 64)
+    proposer.start([[1, 2, 3]], [PARAMS], torch.Generator().manual_seed(0))
+    proposal = proposer.propose([[4]], 4)
+    assert proposal.probs.shape[-1] == draft.vocab_size
+    assert bool((proposal.probs[..., -1] == 0).all()) and bool((proposal.tokens < draft.vocab_size - 1).all())
+    assert torch.allclose(proposal.probs.sum(-1), torch.ones(1, 4))
 
 
 def test_ngram_accepts_on_repetitive_text(pair):
@@ -86,14 +100,14 @@ def _proposer_joint_counts(kind):
     return counts, _exact_joint(target)
 
 
-@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid"])
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "pruned"])
 def test_exact_joint_law_for_every_proposer(kind):
     """Power: 10^5 samples over 216 cells; each proposer's own negative control below fails."""
     counts, joint = _proposer_joint_counts(kind)
     assert chi_square_pvalue(counts, joint) > ALPHA
 
 
-@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid"])
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "pruned"])
 def test_negative_control_for_every_proposer(kind, monkeypatch):
     """The same test with a wrong verifier (after a rejection, sample from p instead of the residual)
     must fail for each proposer: with n-gram's one-hot drafts the rejected token can then be drawn

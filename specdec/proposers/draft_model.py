@@ -16,9 +16,16 @@ class DraftModelProposer:
     wants_target_hidden = False
     emits_trees = False
 
-    def __init__(self, model: Transformer, capacity: int) -> None:
+    def __init__(self, model: Transformer, capacity: int, vocab_ids: torch.Tensor | None = None,
+                 vocab_size: int | None = None) -> None:
+        """``vocab_ids``: the model computes logits only for these ids (its output layer built
+        with :meth:`Transformer.with_output_rows`); the others get q = 0 and are never drafted
+        (exact: the verifier handles zeros in q). ``vocab_size``: the full vocabulary then."""
+        if (vocab_ids is None) != (vocab_size is None):
+            raise ValueError("vocab_ids and vocab_size go together")
         self.model = model
         self.capacity = capacity
+        self.vocab_ids, self.vocab_size = vocab_ids, vocab_size
         self.cache = None
         self._fed_drafts = 0  # draft tokens of the last proposal that were written into the cache
 
@@ -32,10 +39,16 @@ class DraftModelProposer:
         self._fed_drafts = 0
         self.caught_up = False
 
-    def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B, V]
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V or N] -> [B, V]
         if not torch.isfinite(logits).all():
             raise ValueError("the draft model produced non-finite logits")
-        return probs_per_row(logits, self.params)
+        probs = probs_per_row(logits, self.params)
+        if self.vocab_ids is None:
+            return probs
+        # processing over the subset alone = over the full vocabulary with -inf outside it
+        full = probs.new_zeros(probs.shape[0], self.vocab_size)
+        full[:, self.vocab_ids] = probs
+        return full
 
     def propose(self, pending: list[list[int]], k: int) -> Proposal:
         batch = len(pending)
@@ -62,7 +75,7 @@ class DraftModelProposer:
             tokens.append(token)
             probs.append(q)
             if i < k - 1:
-                logits = self.model(token, self.cache)[:, -1]
+                logits = self.model(token, self.cache)[:, -1]  # (token ids are full-vocabulary ids)
         self._fed_drafts = k - 1
         return Proposal(torch.cat(tokens, 1), torch.stack(probs, 1))
 

@@ -199,6 +199,21 @@ class Transformer(torch.nn.Module):
         view.cfg = dataclasses.replace(self.cfg, num_layers=num_layers, layer_is_sliding=sliding)
         return view
 
+    def with_output_rows(self, rows: torch.Tensor) -> "Transformer":
+        """A view whose output layer computes logits for only some token ids: ``rows`` ``[N, E]``
+        are those ids' rows of the output matrix (fp32), in the order the logits should come.
+        Every other weight is shared (FR-Spec: a draft that only ever proposes frequent tokens
+        skips most of its largest matmul)."""
+        if rows.dim() != 2 or rows.shape[1] != self.cfg.hidden_size:
+            raise ValueError(f"rows must be [N, {self.cfg.hidden_size}], got {tuple(rows.shape)}")
+        view = object.__new__(Transformer)
+        view.__dict__ = dict(self.__dict__)
+        view._modules = dict(self._modules)
+        linear = LinearBuilder(self.dtype_name)
+        view._modules["lm_head"] = linear("lm_head", lambda: rows)
+        linear.pack_all()
+        return view
+
     def linear_layers(self) -> dict[str, torch.nn.Module]:
         """Every linear layer by its calibration name."""
         out = {"lm_head": self.lm_head}

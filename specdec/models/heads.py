@@ -36,15 +36,6 @@ def output_rows(target: LoadedModel, ids: torch.Tensor | None = None) -> torch.T
     return weights[name].float() if ids is None else weights.rows(name, ids)
 
 
-def frequent_ids(path: Path) -> torch.Tensor:
-    """The frequency-ranked token ids a head file drafts over (its vocabulary subset), without
-    reading its weights: also the subset a draft model's output layer is pruned to (FR-Spec)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor("vocab_ids").long()
-
-
 def load_head(path: Path, target: LoadedModel) -> DraftHead:
     """A :class:`DraftHead` for ``target``, in the target's runtime dtype."""
     if not Path(path).is_file():

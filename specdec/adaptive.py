@@ -69,6 +69,12 @@ def verify_costs(measured: dict[int, float], n_max: int) -> list[float]:
     return out
 
 
+def update_cost(costs: dict[int, float], n: int, seconds: float, ema: float) -> None:
+    """Exponential moving average of the measured seconds to verify ``n`` positions."""
+    old = costs.get(n)
+    costs[n] = seconds if old is None else old + ema * (seconds - old)
+
+
 @dataclass
 class AdaptiveK:
     k_max: int = 8
@@ -122,9 +128,7 @@ class AdaptiveK:
         prompt, on its first step); that time is not a per-draft cost, so it does not update the
         draft cost estimate. Until a step that is not a catch-up measures it, the draft cost is
         taken as 0, which keeps speculating until it is measured."""
-        n = k + 1
-        old = self.verify_cost.get(n)
-        self.verify_cost[n] = verify_seconds if old is None else old + self.ema * (verify_seconds - old)
+        update_cost(self.verify_cost, k + 1, verify_seconds, self.ema)
         if k == 0:
             return
         if not caught_up:  # (the first step is always one: the proposer's own prefill of the prompt)
@@ -220,9 +224,7 @@ class TreeBudget:
     def observe_step(self, proposal, result, draft_seconds: float, verify_seconds: float, caught_up: bool) -> None:
         from specdec.tree import depths
 
-        n = proposal.size + 1
-        old = self.verify_cost.get(n)
-        self.verify_cost[n] = verify_seconds if old is None else old + self.ema * (verify_seconds - old)
+        update_cost(self.verify_cost, proposal.size + 1, verify_seconds, self.ema)
         if proposal.size == 0 or not proposal.is_tree:
             return
         if not caught_up:

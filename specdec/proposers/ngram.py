@@ -25,12 +25,15 @@ class NgramIndex:
         self.ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, ids: list[int]) -> None:
+        """Append ``ids``; a ``-1`` separates documents (no n-gram across it is indexed)."""
         for token in ids:
             self.tokens.append(token)
             end = len(self.tokens) - 1
-            for n in range(self.n_min, self.n_max + 1):
-                if end + 1 >= n:
-                    self.ends.setdefault(tuple(self.tokens[end + 1 - n :]), []).append(end)
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                gram = tuple(self.tokens[end + 1 - n :])
+                if -1 in gram:
+                    break  # longer grams contain the separator too
+                self.ends.setdefault(gram, []).append(end)
 
     def lookup(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier match of the longest suffix."""

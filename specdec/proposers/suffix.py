@@ -22,28 +22,19 @@ from __future__ import annotations
 import torch
 
 from specdec.proposers.base import Proposal
+from specdec.proposers.ngram import NgramIndex
 from specdec.sampling import SamplingParams
 
 SEPARATOR = -1  # between documents of a shared index: no n-gram across it can match a context
 
 
-class SuffixIndex:
-    """A token history with every n-gram (n = 1..max_match) mapped to the positions it ends at."""
+class SuffixIndex(NgramIndex):
+    """A token history with every n-gram (n = 1..max_match) mapped to the positions it ends at
+    (``SEPARATOR`` between documents)."""
 
     def __init__(self, max_match: int) -> None:
+        super().__init__(1, max_match)
         self.max_match = max_match
-        self.tokens: list[int] = []
-        self.ends: dict[tuple[int, ...], list[int]] = {}
-
-    def extend(self, ids: list[int]) -> None:
-        for token in ids:
-            self.tokens.append(token)
-            end = len(self.tokens) - 1
-            for n in range(1, min(self.max_match, end + 1) + 1):
-                gram = tuple(self.tokens[end + 1 - n:])
-                if SEPARATOR in gram:
-                    break
-                self.ends.setdefault(gram, []).append(end)
 
     def continuations(self, suffix: tuple[int, ...], depth: int, limit: int, before: int | None = None) -> list[list[int]]:
         """What followed the latest ``limit`` occurrences of ``suffix`` ending before position

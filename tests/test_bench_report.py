@@ -56,6 +56,40 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch):
     assert (tmp_path / "report.md").exists() and (tmp_path / "results.json").exists()
 
 
+def test_llamacpp_methods_are_skipped_and_said_so_without_the_extra(tmp_path, monkeypatch):
+    workloads = {"code": {"grounded": True, "prompts": ["p0"]}}
+    monkeypatch.setattr(suite, "load_workloads", lambda: workloads)
+    monkeypatch.setattr(suite.llamacpp, "available", lambda: False)
+    with open(tmp_path / "runs.jsonl", "w") as f:
+        f.write(json.dumps(_run("plain", "code", 0, 0.0, 10.0, [1])) + "\n")
+    monkeypatch.setattr(suite, "Bench", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("nothing to run")))
+    results = suite.run_bench(tmp_path, ["plain", "llamacpp_plain", "llamacpp_spec"], [0.0], None, "t", "d", "int8",
+                              1, 4, 8)
+    assert [r["method"] for r in results["runs"]] == ["plain"]
+    report = (tmp_path / "report.md").read_text()
+    assert "llama.cpp methods skipped: llama-cpp-python is not installed (pip install -e '.[llamacpp]')" in report
+
+
+def test_llamacpp_greedy_check_and_block_costs_in_the_report(tmp_path):
+    runs = [
+        _run("plain", "code", 0, 0.0, 10.0, [1, 2, 3]),
+        _run("ngram", "code", 0, 0.0, 12.0, [1, 2, 3], acc=[1]),
+        _run("llamacpp_plain", "code", 0, 0.0, 20.0, [1, 2, 3]),
+        _run("llamacpp_spec", "code", 0, 0.0, 22.0, [1, 2, 7]),  # llama.cpp's speculation changed its output
+    ]
+    peer = {"prefix_tokens": 40,
+            "specdec": {"eval_ms": {"1": 50.0, "5": 75.0}, "ratio": 1.5, "logit_max_diff": 0.0},
+            "llama.cpp": {"eval_ms": {"1": 36.0, "5": 108.0}, "ratio": 3.0, "logit_max_diff": 0.52}}
+    report = suite.write_report({"runs": runs, "peer_costs": peer, "notes": [], "environment": {
+        "date": "x", "target": "t", "draft": "d", "dtype": "q4", "max_new_tokens": 3, "torch": "x",
+        "transformers": "x", "cores": 2}}, tmp_path)
+    assert "specdec speculative: all 1 greedy runs are token-identical to `plain`." in report
+    assert "llama.cpp prompt-lookup speculation: 1 of 1 greedy runs differ from `llamacpp_plain`" in report
+    assert "| llamacpp_plain | 2.00x | 2.00x |" in report
+    assert "| specdec | 50.0 | 75.0 | 1.50x | 0 |" in report
+    assert "| llama.cpp | 36.0 | 108.0 | 3.00x | 0.52 |" in report
+
+
 def test_workloads_have_six_categories_of_eight():
     w = suite.load_workloads()
     assert len(w) >= 6 and all(len(c["prompts"]) >= 8 for c in w.values())

@@ -11,7 +11,11 @@ Methods (``--methods``, comma-separated):
   with n-gram lookup when it matches, adaptive k);
 * ``suffix``, ``head_tree``, ``hybrid_tree`` — candidate trees (suffix lookup / the head's dynamic
   trees / suffix when it matches, else head trees), node budget chosen each step;
-* ``ngram_kN`` / ``draft_kN`` / ``head_kN`` / ``head_tree_kN`` — fixed k = N (for trees: N nodes).
+* ``ngram_kN`` / ``draft_kN`` / ``head_kN`` / ``head_tree_kN`` — fixed k = N (for trees: N nodes);
+* ``llamacpp_plain``, ``llamacpp_spec`` — llama.cpp on the same GGUF file and threads, plain and
+  with its prompt-lookup speculation (optional extra; see :mod:`specdec.bench.llamacpp`). Without
+  the extra they are skipped and the report says so. With them, the report also compares the two
+  runtimes' cost of evaluating 5 tokens against 1 and how far a token's logits move between the two.
 
 Every run is appended to ``runs.jsonl`` in ``--out`` as soon as it finishes, and a rerun skips
 runs already there, so an interrupted bench resumes. At the end ``results.json`` (all runs, the
@@ -34,12 +38,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdec.bench import llamacpp
 from specdec.sampling import SamplingParams
 
 ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",
                "early_exit", "hybrid", "ngram_k1", "ngram_k2", "ngram_k4", "ngram_k8",
                "draft_k1", "draft_k2", "draft_k4", "draft_k8", "head", "head_auto", "hybrid_head",
-               "suffix", "head_tree", "hybrid_tree"]
+               "suffix", "head_tree", "hybrid_tree", "llamacpp_plain", "llamacpp_spec"]
 QUICK_METHODS = ["hf_plain", "hf_assisted", "plain", "draft_auto", "ngram", "hybrid", "ngram_k2", "ngram_k8"]
 
 
@@ -80,6 +85,15 @@ class Bench:
         self.gen.eos_token_ids = set()  # every method generates exactly max_new_tokens
         self.dtype, self.max_new_tokens, self.k, self.k_max = dtype, max_new_tokens, k, k_max
         self._hf = None
+        self._llamacpp = None
+        self.target_name = target
+
+    def llamacpp(self):
+        if self._llamacpp is None:
+            from specdec.bench.llamacpp import LlamaCpp, gguf_file
+
+            self._llamacpp = LlamaCpp(gguf_file(self.target_name), torch.get_num_threads(), 4096, self.k)
+        return self._llamacpp
 
     def hf(self):
         if self._hf is None:
@@ -95,6 +109,8 @@ class Bench:
         return tok(text, add_special_tokens=False)["input_ids"]
 
     def run(self, method: str, prompt_ids: list[int], temperature: float, seed: int) -> dict:
+        if method.startswith("llamacpp_"):
+            return self.llamacpp().run(method, prompt_ids, self.max_new_tokens, temperature, seed)
         if method.startswith("hf_"):
             from specdec.bench.hf import hf_generate
 
@@ -141,7 +157,13 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
                         continue  # the k sweep is greedy only
                     jobs.append((method, category, i, spec["prompts"][i], temp))
     todo = [j for j in jobs if (j[0], j[1], j[2], j[4]) not in done]
-    bench = Bench(target, draft, dtype, max_new_tokens, k, k_max, head) if todo else None
+    notes = []
+    wants_llamacpp = any(m in llamacpp.METHODS for m in methods)
+    if wants_llamacpp and not llamacpp.available():
+        notes.append(f"llama.cpp methods skipped: llama-cpp-python is not installed ({llamacpp.INSTALL_HINT}).")
+        jobs = [j for j in jobs if j[0] not in llamacpp.METHODS]
+        todo = [j for j in todo if j[0] not in llamacpp.METHODS]
+    bench = Bench(target, draft, dtype, max_new_tokens, k, k_max, head) if todo or (wants_llamacpp and not notes) else None
     with open(log, "a") as f:
         for method, category, i, prompt, temp in tqdm(todo, desc="specdec bench", unit="run"):
             record = {"method": method, "category": category, "prompt": i, "temperature": temp}
@@ -149,13 +171,21 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
             f.write(json.dumps(record) + "\n")
             f.flush()
             done[(method, category, i, temp)] = record
+    peer = None
+    if wants_llamacpp and not notes:  # the block-cost comparison, on the first prompt's tokens
+        ids = bench.encode(next(iter(workloads.values()))["prompts"][0])
+        prefix, block = ids[:-5], ids[-5:]
+        peer = {"llama.cpp": bench.llamacpp().block_costs(prefix, block),
+                "specdec": llamacpp.specdec_block_costs(bench.gen.target.model, prefix, block),
+                "prefix_tokens": len(prefix)}
     runs = [done[(j[0], j[1], j[2], j[4])] for j in jobs]
     env = {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
            "python": platform.python_version(), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "dtype": dtype, "target": target,
            "draft": draft, "max_new_tokens": max_new_tokens, "k": k, "k_max": k_max,
            "date": time.strftime("%Y-%m-%d %H:%M")}
-    results = {"environment": env, "runs": runs, "grounded": {c: s["grounded"] for c, s in workloads.items()}}
+    results = {"environment": env, "runs": runs, "grounded": {c: s["grounded"] for c, s in workloads.items()},
+               "notes": notes, "peer_costs": peer}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     report = write_report(results, out)
     (out / "report.md").write_text(report)
@@ -175,16 +205,25 @@ def _speedups(runs: list[dict], baseline: str) -> dict[tuple[str, str, float], f
     return {k: statistics.median(v) for k, v in ratios.items()}
 
 
+# (label, method prefix, plain-decoding reference) of each runtime in the bench
+RUNTIMES = (("specdec speculative", "", "plain"), ("transformers assisted / prompt-lookup", "hf_", "hf_plain"),
+            ("llama.cpp prompt-lookup speculation", "llamacpp_", "llamacpp_plain"))
+
+
+def _runtime(method: str) -> str:
+    return next((prefix for _, prefix, _ in RUNTIMES[1:] if method.startswith(prefix)), "")
+
+
 def _greedy_diffs(runs: list[dict]) -> list[tuple[dict, str]]:
     """(run, description) for each greedy output that differs from its runtime's plain decoding."""
-    ref = {(r["category"], r["prompt"]): r["token_ids"] for r in runs if r["method"] == "plain" and r["temperature"] == 0}
-    hf_ref = {(r["category"], r["prompt"]): r["token_ids"] for r in runs if r["method"] == "hf_plain" and r["temperature"] == 0}
+    refs = {prefix: {(r["category"], r["prompt"]): r["token_ids"] for r in runs
+                     if r["method"] == reference and r["temperature"] == 0} for _, prefix, reference in RUNTIMES}
+    plains = {reference for _, _, reference in RUNTIMES}
     diffs = []
     for r in runs:
-        if r["temperature"] != 0 or r["method"] in ("plain", "hf_plain"):
+        if r["temperature"] != 0 or r["method"] in plains:
             continue
-        table = hf_ref if r["method"].startswith("hf_") else ref
-        expected = table.get((r["category"], r["prompt"]))
+        expected = refs[_runtime(r["method"])].get((r["category"], r["prompt"]))
         if expected is not None and r["token_ids"] != expected:
             first = next((i for i, (a, b) in enumerate(zip(r["token_ids"], expected)) if a != b), min(len(r["token_ids"]), len(expected)))
             diffs.append((r, f"{r['method']} / {r['category']} #{r['prompt']}: differs from its plain decoding at token {first}"))
@@ -192,23 +231,39 @@ def _greedy_diffs(runs: list[dict]) -> list[tuple[dict, str]]:
 
 
 def _greedy_check_lines(runs: list[dict]) -> list[str]:
-    """One verdict for specdec (speculative vs our plain) and one for transformers (assisted and
-    prompt lookup vs its plain), each followed by the runs that differ."""
+    """One verdict per runtime (its speculative methods vs its own plain decoding), each followed
+    by the runs that differ."""
     diffs = _greedy_diffs(runs)
+    plains = {reference for _, _, reference in RUNTIMES}
     lines = []
-    for label, is_ours, reference in (("specdec speculative", True, "plain"), ("transformers assisted / prompt-lookup", False, "hf_plain")):
+    for label, prefix, reference in RUNTIMES:
         refs = {(r["category"], r["prompt"]) for r in runs if r["method"] == reference and r["temperature"] == 0}
-        checked = [r for r in runs if r["temperature"] == 0 and r["method"] not in ("plain", "hf_plain")
-                   and r["method"].startswith("hf_") != is_ours and (r["category"], r["prompt"]) in refs]
+        checked = [r for r in runs if r["temperature"] == 0 and r["method"] not in plains
+                   and _runtime(r["method"]) == prefix and (r["category"], r["prompt"]) in refs]
         if not checked:
             continue
-        bad = [d for r, d in diffs if r["method"].startswith("hf_") != is_ours]
+        bad = [d for r, d in diffs if _runtime(r["method"]) == prefix]
         if bad:
             lines += [f"{label}: {len(bad)} of {len(checked)} greedy runs differ from `{reference}` "
                       f"({len(checked) - len(bad)} identical):"] + [f"- {d}" for d in bad] + [""]
         else:
             lines += [f"{label}: all {len(checked)} greedy runs are token-identical to `{reference}`.", ""]
     return lines or ["No greedy run has a plain-decoding reference in this bench."]
+
+
+def _peer_lines(results: dict) -> list[str]:
+    """The notes (e.g. skipped methods) and the llama.cpp block-cost comparison."""
+    lines = [f"> {note}" for note in results.get("notes") or []]
+    peer = results.get("peer_costs")
+    if peer:
+        lines += ["", f"## Evaluating 5 tokens vs 1 (after a {peer['prefix_tokens']}-token prefix)", "",
+                  "| runtime | 1 token ms | 5 tokens ms | ratio | max logit change, alone vs in the block |",
+                  "|---|---|---|---|---|"]
+        for name in ("specdec", "llama.cpp"):
+            c = peer[name]
+            ms = {int(k): v for k, v in c["eval_ms"].items()}
+            lines.append(f"| {name} | {ms[1]:.1f} | {ms[5]:.1f} | {c['ratio']:.2f}x | {c['logit_max_diff']:.3g} |")
+    return lines + [""] if lines else []
 
 
 def write_report(results: dict, out: Path) -> str:
@@ -261,7 +316,7 @@ def write_report(results: dict, out: Path) -> str:
             share = statistics.median(r["metrics"]["time_breakdown_s"]["draft"] / r["metrics"]["total_s"] for r in rs)
             lines.append(f"| {m} | {temp} | {med['ttft_s'] * 1e3:.0f} | {med['tpot_s'] * 1e3:.1f} | "
                          f"{med['throughput_tok_s']:.2f} | {share:.1%} |")
-    lines += ["", "## Greedy check", ""] + _greedy_check_lines(runs)
+    lines += ["", "## Greedy check", ""] + _greedy_check_lines(runs) + _peer_lines(results)
     plots = write_plots(runs, out)
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"

@@ -51,12 +51,13 @@ def test_default_pair_speculative_greedy_equals_plain(dtype):
 
 def test_default_target_speculates_with_its_shipped_head_and_stays_exact():
     """The default configuration (no proposer named: the shipped head, hybrid with n-gram lookup,
-    k auto) and the head alone at k = 4 give plain decoding's greedy tokens on the q4 target."""
+    k auto), the head alone at k = 4, and the tree proposers (batched: two prompts) give plain
+    decoding's greedy tokens on the q4 target."""
     gen = TextGenerator.load("target", dtype="q4")
     assert gen.head_path is not None, "the default target ships a draft head"
     prompts = [gen.encode(p, chat=True) for p in CODE_PROMPTS[:2]]
     plain = gen.generate(prompts, GREEDY, 48, proposer="none")
-    for proposer, k in ((None, "auto"), ("head", 4)):
+    for proposer, k in ((None, "auto"), ("head", 4), ("hybrid-tree", "auto"), ("head-tree", 6), ("suffix", 8)):
         spec = gen.generate(prompts, GREEDY, 48, proposer=proposer, k=k)
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
         assert spec[0].batch_metrics.acceptance.accepted > 0

@@ -232,7 +232,7 @@ def generate(
         room = context_len - 1 - int(cache.lengths.max())
         controller = None
         if controllers is not None and proposer is not None:
-            source = proposer.next_source(pending) if hasattr(proposer, "next_source") else "default"
+            source = proposer.next_source(pending)
             if source not in controllers:
                 controllers[source] = TreeBudget(k_max) if proposer.emits_trees else AdaptiveK(k_max=k_max)
             controller = controllers[source]
@@ -272,7 +272,7 @@ def generate(
         t5 = time.perf_counter()
         if controller is not None:
             controller.observe_step(proposal, result, (t1 - t0) + (t5 - t4), t3 - t1,
-                               caught_up=bool(getattr(proposer, "caught_up", False)))
+                               caught_up=proposer.caught_up)
         tm.draft += (t1 - t0) + (t5 - t4)
         tm.verify += t2 - t1
         tm.sampling += t3 - t2

@@ -89,6 +89,12 @@ class Proposer(Protocol):
     # Whether ``propose`` returns candidate trees (``Proposal.parents`` set, with scores); ``k`` is
     # then a node budget, and adaptive k prunes each tree with :class:`~specdec.adaptive.TreeBudget`.
     emits_trees: bool
+    # Whether the last ``propose`` also fed tokens skipped earlier (its time is then not a per-draft cost).
+    caught_up: bool
+
+    def next_source(self, pending: list[list[int]]) -> str:
+        """Which proposer the next ``propose`` uses ("default" for a single one): adaptive k keeps
+        one controller per source."""
 
     def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
               target_hidden: torch.Tensor | None = None) -> None:
@@ -107,3 +113,13 @@ class Proposer(Protocol):
 
     def retain(self, rows: list[int]) -> None:
         """Keep only these rows (by current position); the others have finished."""
+
+
+class SingleSource:
+    """What a proposer with one source of drafts declares for the engine: one adaptive-k
+    controller ("default"), and ``caught_up`` (set by proposers that feed skipped tokens late)."""
+
+    caught_up = False
+
+    def next_source(self, pending: list[list[int]]) -> str:
+        return "default"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal
+from specdec.proposers.base import Proposal, SingleSource
 from specdec.runtime.model import Transformer
 from specdec.sampling import SamplingParams, probs_per_row, sample
 
 
-class DraftModelProposer:
+class DraftModelProposer(SingleSource):
     """Samples k tokens autoregressively from the draft with the rows' own sampling parameters,
     so the returned ``probs`` are exactly the processed ``q`` each token was drawn from."""
 

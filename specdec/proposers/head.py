@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.proposers.base import Proposal
+from specdec.proposers.base import Proposal, SingleSource
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.linear import LinearBuilder
@@ -252,7 +252,7 @@ class DraftHead:
         return out
 
 
-class HeadProposer:
+class HeadProposer(SingleSource):
     """Drafts k tokens per row with a :class:`DraftHead`; returns the processed ``q`` each was
     sampled from (the rows' own temperature / top-k / top-p / min-p, zero outside the subset)."""
 

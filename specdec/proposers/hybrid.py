@@ -56,7 +56,7 @@ class HybridProposer:
 
     @property
     def caught_up(self) -> bool:
-        return self._used is self.model_draft and getattr(self.model_draft, "caught_up", False)
+        return self._used is self.model_draft and self.model_draft.caught_up
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         # A draft head must see the target's features of every committed token, whoever proposed.

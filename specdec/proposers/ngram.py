@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal
+from specdec.proposers.base import Proposal, SingleSource
 from specdec.sampling import SamplingParams
 
 
@@ -49,7 +49,7 @@ class NgramIndex:
         return []
 
 
-class NgramProposer:
+class NgramProposer(SingleSource):
     wants_target_hidden = False
     emits_trees = False
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal
+from specdec.proposers.base import Proposal, SingleSource
 from specdec.proposers.ngram import NgramIndex
 from specdec.sampling import SamplingParams
 
@@ -102,7 +102,7 @@ class SuffixHistory:
         self.index.extend([SEPARATOR] + output)
 
 
-class SuffixProposer:
+class SuffixProposer(SingleSource):
     """Candidate trees from the context's own repetitions (and a shared history of earlier outputs)."""
 
     wants_target_hidden = False

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.models import cache
+from specdec.proposers.base import SingleSource
 from specdec.runtime.model import Transformer
 
 SHARD = 16
@@ -62,7 +63,7 @@ def load_shards(directory: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-class _Recorder:
+class _Recorder(SingleSource):
     """A proposer that never drafts and keeps the target's features of every committed position:
     the features of the target's own answers come free with generating them."""
 

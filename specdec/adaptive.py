@@ -69,10 +69,14 @@ def verify_costs(measured: dict[int, float], n_max: int) -> list[float]:
     return out
 
 
+def moving_average(old: float | None, new: float, rate: float) -> float:
+    """Exponential moving average; the first measurement stands alone."""
+    return new if old is None else old + rate * (new - old)
+
+
 def update_cost(costs: dict[int, float], n: int, seconds: float, ema: float) -> None:
-    """Exponential moving average of the measured seconds to verify ``n`` positions."""
-    old = costs.get(n)
-    costs[n] = seconds if old is None else old + ema * (seconds - old)
+    """Fold a measured time to verify ``n`` positions into ``costs``."""
+    costs[n] = moving_average(costs.get(n), seconds, ema)
 
 
 @dataclass
@@ -133,7 +137,7 @@ class AdaptiveK:
             return
         if not caught_up:  # (the first step is always one: the proposer's own prefill of the prompt)
             per_token = draft_seconds / k
-            self.draft_cost = per_token if self.draft_cost is None else self.draft_cost + self.ema * (per_token - self.draft_cost)
+            self.draft_cost = moving_average(self.draft_cost, per_token, self.ema)
         self.accepted = [a * self.forget for a in self.accepted]
         self.tested = [t * self.forget for t in self.tested]
         for acc in num_accepted:
@@ -202,13 +206,11 @@ class TreeBudget:
 
     def nodes(self, proposal) -> int:
         """``n*`` for this proposal (a tree whose ``scores`` are set)."""
-        from specdec.tree import depths
-
         size = proposal.size
         if size == 0:
             return 0
         real = proposal.tokens >= 0
-        depth = depths(proposal.parents, proposal.tokens)  # [B, N]
+        depth = proposal.node_depths  # [B, N]
         calib = torch.tensor([self.calibration(d) for d in range(1, int(depth.max()) + 2)])
         value = torch.where(real, proposal.scores.float().clamp(0, 1) * calib[(depth - 1).clamp(min=0)], 0.0)
         gain = torch.sort(value, dim=1, descending=True).values.sum(0).cumsum(0)  # [N] summed over rows
@@ -218,18 +220,16 @@ class TreeBudget:
         best = max(range(size + 1), key=lambda n: (expected[n] / costs[n], -n))  # drafting is spent
         draft = self.draft_cost or 0.0
         bought = max(expected[n] / (draft + costs[n]) for n in range(1, size + 1)) / (rows / costs[0])
-        self.gain = bought if self.gain is None else self.gain + self.ema * (bought - self.gain)
+        self.gain = moving_average(self.gain, bought, self.ema)
         return best
 
     def observe_step(self, proposal, result, draft_seconds: float, verify_seconds: float, caught_up: bool) -> None:
-        from specdec.tree import depths
-
         update_cost(self.verify_cost, proposal.size + 1, verify_seconds, self.ema)
         if proposal.size == 0 or not proposal.is_tree:
             return
         if not caught_up:
-            self.draft_cost = draft_seconds if self.draft_cost is None else self.draft_cost + self.ema * (draft_seconds - self.draft_cost)
-        depth = depths(proposal.parents, proposal.tokens)  # [B, N]
+            self.draft_cost = moving_average(self.draft_cost, draft_seconds, self.ema)
+        depth = proposal.node_depths  # [B, N]
         max_depth = int(depth.max())
         grow = max_depth - len(self.hits)
         if grow > 0:

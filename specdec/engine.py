@@ -25,7 +25,7 @@ from specdec.metrics import GenerationMetrics
 from specdec.proposers.base import Proposal, Proposer
 from specdec.runtime.model import Transformer
 from specdec.sampling import SamplingParams, probs_per_row
-from specdec.tree import TreeVerification, ancestor_mask, depths, verify_tree
+from specdec.tree import TreeVerification, ancestor_mask, verify_tree
 from specdec.verify import ChainVerification, verify_chain
 
 MAX_SEED = 2**63 - 2  # the draft's generator gets seed + 1: both must fit a signed 64-bit integer
@@ -90,7 +90,7 @@ def score_tree(target: Transformer, cache, last: torch.Tensor, proposal: Proposa
     mask = torch.zeros(batch, n + 1, n + 1, dtype=torch.bool)  # [B, N+1, N+1]
     mask[:, :, 0] = True
     mask[:, 1:, 1:] = ancestor_mask(parents)
-    depth = torch.cat([torch.zeros(batch, 1, dtype=torch.long), depths(parents, tokens)], 1)  # [B, N+1]
+    depth = torch.cat([torch.zeros(batch, 1, dtype=torch.long), proposal.node_depths], 1)  # [B, N+1]
     block = torch.cat([last.unsqueeze(1), tokens.clamp(min=0)], 1)  # [B, N+1]
     out = target(block, cache, tree_mask=mask, positions=cache.lengths.unsqueeze(1) + depth, return_hidden=want_hidden)
     return out if want_hidden else (out, None)
@@ -111,13 +111,13 @@ def commit_kv(cache, before: torch.Tensor, result, hidden: torch.Tensor | None):
     return result.tokens.gather(1, result.num_accepted.unsqueeze(1)).squeeze(1), hidden
 
 
-def draft_depth(proposal: Proposal) -> torch.Tensor:
-    """``[B]`` the draft positions each row offered: k for a chain, the tree's depth."""
+def draft_depth(proposal: Proposal) -> list[int]:
+    """The draft positions each row offered: k for a chain, the tree's depth."""
     if not proposal.is_tree:
-        return torch.full((proposal.tokens.shape[0],), proposal.size, dtype=torch.long)
+        return [proposal.size] * proposal.tokens.shape[0]
     if proposal.size == 0:
-        return torch.zeros(proposal.tokens.shape[0], dtype=torch.long)
-    return depths(proposal.parents, proposal.tokens).max(1).values
+        return [0] * proposal.tokens.shape[0]
+    return proposal.node_depths.max(1).values.tolist()
 
 
 def generate(
@@ -277,16 +277,18 @@ def generate(
         tm.verify += t2 - t1
         tm.sampling += t3 - t2
         tm.cache += t4 - t3
-        depth = draft_depth(proposal)  # [B'] drafted positions per row (a tree's depth)
+        # per row, as plain ints (one conversion each, not per row): drafted positions (a tree's
+        # depth), accepted, and draft tokens scored (a tree's real nodes)
+        depth, accepted = draft_depth(proposal), result.num_accepted.tolist()
+        scored = (proposal.tokens >= 0).sum(1).tolist() if proposal.is_tree else depth
         pending, keep = [], []
         for i, row in enumerate(alive):
             ids = result.committed(i)
             pending.append(ids)
             row_metrics = results[row].metrics
             row_metrics.target_calls += 1
-            nodes = int((proposal.tokens[i] >= 0).sum())
-            row_metrics.acceptance.record(int(depth[i]), int(result.num_accepted[i]), nodes)
-            metrics.acceptance.record(int(depth[i]), int(result.num_accepted[i]), nodes)
+            row_metrics.acceptance.record(depth[i], accepted[i], scored[i])
+            metrics.acceptance.record(depth[i], accepted[i], scored[i])
             if commit(row, ids):
                 keep.append(i)
     tm.total = time.perf_counter() - start

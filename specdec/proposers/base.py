@@ -7,6 +7,7 @@ in step with the committed text through ``observe``. The engine never touches th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -41,14 +42,17 @@ class Proposal:
         """Draft tokens the target scores (chain length or tree nodes, padding included)."""
         return self.tokens.shape[1]
 
-    def cut_depth(self, max_depth: int) -> "Proposal":
-        """A tree without the nodes deeper than ``max_depth`` (they become padding); a chain cut
-        to ``max_depth`` tokens."""
-        if not self.is_tree:
-            return self if self.size <= max_depth else Proposal(self.tokens[:, :max_depth], None if self.probs is None else self.probs[:, :max_depth])
+    @cached_property
+    def node_depths(self) -> torch.Tensor:
+        """``[B, N]`` each tree node's depth (1 for the root's children), 0 for padding; computed
+        once per proposal for the engine and the tree budget."""
         from specdec.tree import depths
 
-        deep = depths(self.parents, self.tokens) > max_depth  # [B, N]
+        return depths(self.parents, self.tokens)
+
+    def cut_depth(self, max_depth: int) -> "Proposal":
+        """This tree without the nodes deeper than ``max_depth`` (they become padding)."""
+        deep = self.node_depths > max_depth  # [B, N]
         if not bool(deep.any()):
             return self
         return Proposal(self.tokens.masked_fill(deep, -1), self.probs, self.parents.masked_fill(deep, -1),

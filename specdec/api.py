@@ -27,6 +27,38 @@ DEFAULT_HEAD_PROPOSER = "hybrid"
 _EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>")
 
 
+class TextStream:
+    """One answer's text as its tokens arrive: decoded a few tokens at a time, searched for stop
+    strings, and released only up to where a stop string may still begin (the CLI's streaming
+    and the server's SSE chunks both come from here)."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.finder = StopFinder(stop)
+        self.emitted = 0  # characters already released
+
+    def stop_at(self, ids: list[int]) -> int | None:
+        """``ids``: the whole answer so far (one more token than the last call, or more). The
+        number of ids to keep if a stop string has appeared in their text, else None."""
+        self.detok.update(ids)
+        return len(ids) if self.finder.feed(self.detok.text) is not None else None
+
+    def release(self) -> str:
+        """The text safe to show that has not been shown yet."""
+        text = self.detok.text
+        end = self.finder.safe_length(text)
+        if end <= self.emitted:
+            return ""
+        out, self.emitted = text[self.emitted : end], end
+        return out
+
+    def finish(self, final_text: str) -> str:
+        """The rest of ``final_text`` (the whole answer, cut at its stop string) not yet shown."""
+        out = final_text[self.emitted :] if len(final_text) > self.emitted else ""
+        self.emitted = max(self.emitted, len(final_text))
+        return out
+
+
 @dataclass
 class TextResult:
     text: str
@@ -81,14 +113,23 @@ class TextGenerator:
         return _make_proposer(self, kind, capacity, ngram, exit_layer)
 
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
-        tok = self.target.tokenizer
         if chat:
-            if not getattr(tok, "chat_template", None):
-                raise ValueError(f"{self.target.name} has no chat template; drop --chat")
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return tok(text, add_special_tokens=False)["input_ids"]
-        return tok(prompt)["input_ids"]
+            return self.encode_chat(messages)
+        return self.target.tokenizer(prompt)["input_ids"]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation in the target's chat template, ready for the assistant's
+        turn (the one place chat is encoded: CLI, API and server)."""
+        tok = self.target.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"{self.target.name} has no chat template (chat=False / --chat off / /v1/completions)")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def final_text(self, ids: list[int], stop: list[str]) -> str:
+        """An answer's whole text, cut where its first stop string begins (one full decode)."""
+        return _cut_at_stop(self.decode(ids), [s for s in stop if s])
 
     def decode(self, ids: list[int]) -> str:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)
@@ -114,23 +155,17 @@ class TextGenerator:
         (:func:`resolve_proposer`: the draft model if one is loaded, else the target's draft head
         if it has one, else plain decoding). ``k``: draft tokens per step or "auto"; 0 = plain."""
         stop = [s for s in (stop or []) if s]
-        # Per row: the text so far, decoded a few tokens at a time, and where a stop string starts.
-        texts = [IncrementalDetokenizer(self.target.tokenizer) for _ in prompts]
-        finders = [StopFinder(stop) for _ in prompts]
-        emitted = [0] * len(prompts)  # characters already passed to on_text
+        streams = [TextStream(self.target.tokenizer, stop) for _ in prompts]
 
         def stop_checker(row: int, ids: list[int]) -> int | None:
-            texts[row].update(ids)
-            return len(ids) if finders[row].feed(texts[row].text) is not None else None
+            return streams[row].stop_at(ids)
 
         def on_tokens(row: int, ids: list[int]) -> None:
-            texts[row].update(ids)
-            text = texts[row].text
-            finders[row].feed(text)
-            end = finders[row].safe_length(text)  # hold back what may be the start of a stop string
-            if end > emitted[row]:
-                on_text(row, text[emitted[row] : end])
-                emitted[row] = end
+            if not stop:
+                streams[row].detok.update(ids)
+            text = streams[row].release()
+            if text:
+                on_text(row, text)
 
         proposer = resolve_proposer(proposer, draft=self.draft is not None, head=self.head_path is not None) if k != 0 else None
         capacity = max(len(p) for p in prompts) + max_new_tokens + max(k_max, k if isinstance(k, int) else 0) + 2
@@ -150,9 +185,10 @@ class TextGenerator:
         )
         out = []
         for i, (prompt, row) in enumerate(zip(prompts, rows)):
-            text = _cut_at_stop(self.decode(row.token_ids), stop)  # one full decode per answer
-            if on_text and len(text) > emitted[i]:
-                on_text(i, text[emitted[i] :])  # held-back text of a row that did not stop there
+            text = self.final_text(row.token_ids, stop)
+            rest = streams[i].finish(text)  # held-back text of a row that did not stop there
+            if on_text and rest:
+                on_text(i, rest)
             out.append(TextResult(text, row.token_ids, row.finish_reason, row.metrics, row.batch_metrics, len(prompt)))
         return out
 

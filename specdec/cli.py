@@ -198,6 +198,24 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "target's shipped draft head speculates (with n-gram lookup when the text repeats itself, "
         "k chosen each step); with --draft a smaller model does; --proposer none decodes plainly.",
     )
+    _add_model_options(p)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch; '-' reads stdin")
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default); at most {MAX_TEMPERATURE:g}")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default: off)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the text")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, metrics)")
+    p.set_defaults(func=_run_generate)
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """What decodes: target, proposer and its options, dtypes (shared by generate and serve)."""
+    from specdec.models import registry
+
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name or path to a .gguf file / HF directory (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model name or path (implies --proposer draft)")
     p.add_argument("--proposer", choices=PROPOSERS, default=None,
@@ -218,21 +236,51 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ngram-max", type=_int_at_least(1), default=None, help="n-gram/hybrid: longest n-gram to match (default: 4)")
     p.add_argument("--exit-layer", type=_int_at_least(1), default=None,
                    help="early-exit (or hybrid without --draft) draft depth (default: a quarter of the layers)")
-    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch; '-' reads stdin")
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default); at most {MAX_TEMPERATURE:g}")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default: off)")
     p.add_argument("--seed", type=_seed_value, default=0, help=f"random seed in [0, {MAX_SEED}] (default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
                    help="weights/compute dtype (default: %(default)s, the fastest here; see docs/BENCHMARKS.md)")
     p.add_argument("--draft-dtype", choices=DTYPES, default=None, help="with --draft (default: --dtype)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the text")
-    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, metrics)")
-    p.set_defaults(func=_run_generate)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run an OpenAI-compatible HTTP server (continuous batching, exact speculation)",
+        description="Serve the target over HTTP: POST /v1/completions and /v1/chat/completions (with "
+        "stream: true for server-sent events), GET /v1/models, /health and /metrics (Prometheus). "
+        "Requests join and leave the running batch between steps. Greedy answers are those of the "
+        "request run alone; a request with a seed is sampled reproducibly (the same answer whatever "
+        "else runs). Decoding options are those of `specdec generate`; --seed seeds the streams of "
+        "requests that bring no seed.",
+    )
+    _add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--max-batch", type=_int_at_least(1), default=16,
+                   help="requests decoded together; more wait in the queue (default: %(default)s)")
+    p.add_argument("--max-queue", type=_int_at_least(1), default=64,
+                   help="requests waiting for a batch row; beyond it new requests get 429 (default: %(default)s)")
+    p.add_argument("--max-model-len", type=_int_at_least(2), default=2048,
+                   help="prompt + max_tokens per request; sizes each row's KV cache (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from specdec.api import TextGenerator
+    from specdec.server import ServeConfig, serve
+
+    proposer = _check_generate_options(args)
+    k = (args.k if args.k is not None else "auto") if proposer else 0
+    config = ServeConfig(proposer=proposer, k=k, k_max=args.k_max or 8, ngram=(args.ngram_min or 2, args.ngram_max or 4),
+                         exit_layer=args.exit_layer, max_batch=args.max_batch, max_queue=args.max_queue,
+                         max_model_len=args.max_model_len, seed=args.seed)
+    gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
+    limit = gen.target.model.cfg.max_position_embeddings
+    if args.max_model_len > limit:
+        raise UsageError(f"--max-model-len {args.max_model_len} exceeds {gen.target.name}'s context length {limit}")
+    serve(gen, config, args.host, args.port, args.served_model_name)
+    return 0
 
 
 def _k_value(text: str):
@@ -290,7 +338,6 @@ def _check_generate_options(args: argparse.Namespace) -> str | None:
         ("--k", args.k is not None and proposer is None, "a proposer (--proposer none decodes plainly)"),
         ("--head", args.head is not None and not uses_head, "--proposer head, hybrid, hybrid-head, head-tree or hybrid-tree"),
         ("--k-max", args.k_max is not None and args.k not in (None, "auto"), "--k auto"),
-        ("--system", args.system is not None and not args.chat, "--chat"),
         ("--draft-dtype", args.draft_dtype is not None and not args.draft, "--draft"),
         ("--exit-layer", args.exit_layer is not None and not early_exit, "--proposer early-exit (or hybrid without --draft)"),
         ("--ngram-min/--ngram-max", (args.ngram_min, args.ngram_max) != (None, None) and proposer not in ("ngram", "hybrid", "hybrid-head"),
@@ -329,6 +376,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     from specdec.sampling import SamplingParams
 
     proposer = _check_generate_options(args)
+    if args.system is not None and not args.chat:
+        raise UsageError("--system has no effect without --chat")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
     texts = _read_prompts(args.prompt)
     k = (args.k if args.k is not None else "auto") if proposer else 0
@@ -556,6 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_toy(sub)
     _add_models(sub)
     _add_generate(sub)
+    _add_serve(sub)
     _add_train_head(sub)
     _add_profile(sub)
     _add_bench(sub)

@@ -1,30 +1,40 @@
-"""The decoding loop: prefill -> propose -> ONE target call over k+1 positions -> verify ->
-commit / roll back -> observe. Plain decoding is the same loop with no proposer (k = 0).
+"""The decoding engine: per-request state and one step = propose -> ONE target call -> verify ->
+commit / roll back -> observe. Plain decoding is the same step with no proposer (k = 0).
 
 Each step feeds the target ``[last committed token, d_1..d_k]`` and reads k+1 distributions:
-position i scores d_{i+1}, position k gives the bonus. ``verify_chain`` commits
-``num_accepted + 1`` tokens; the target cache keeps the KV of the last committed token and of the
-accepted drafts and is truncated past them (O(1)). The final committed token (replacement or
-bonus) is fed at the next step, so no extra target call is ever needed.
+position i scores d_{i+1}, position k gives the bonus. Verification commits ``num_accepted + 1``
+tokens; the target cache keeps the KV of the last committed token and of the accepted drafts and
+is truncated past them (O(1)). The final committed token (replacement or bonus) is fed at the
+next step, so no extra target call is ever needed.
 
-Rows of a batch run in lockstep with one shared k; their acceptance is ragged. Finished rows
-(EOS, a stop string, or max_new_tokens) leave the batch: the target cache and the proposer keep
-only the rows still running.
+Continuous batching: :class:`Engine` holds one :class:`RowState` per request in flight. Requests
+join between steps (:meth:`Engine.add`; their prefill is one target call over the joining rows
+only, written into fresh rows of the shared cache: the others do not restart) and leave when they
+finish or are cancelled (rows compacted in place, the proposer told which rows remain). Rows of a
+step run in lockstep with one shared k; their acceptance is ragged. Because the runtime is batch
+invariant, a row's logits do not depend on the other rows, so greedy output does not either; a
+request with its own ``seed`` is sampled reproducibly (:mod:`specdec.reproducible`), so its
+sampled output does not depend on them either.
+
+:func:`generate` is the thin batch loop over the engine that the API, CLI and bench use.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from specdec.adaptive import AdaptiveK, TreeBudget
-from specdec.metrics import GenerationMetrics
+from specdec.metrics import GenerationMetrics, Timings
 from specdec.proposers.base import Proposal, Proposer
 from specdec.runtime.model import Transformer
 from specdec.sampling import SamplingParams, probs_per_row
+from specdec.reproducible import PositionUniforms, merge, verify_chain_at, verify_tree_at
 from specdec.tree import TreeVerification, ancestor_mask, verify_tree
 from specdec.verify import ChainVerification, verify_chain
 
@@ -120,6 +130,301 @@ def draft_depth(proposal: Proposal) -> list[int]:
     return proposal.node_depths.max(1).values.tolist()
 
 
+
+
+@dataclass
+class Request:
+    """What a caller asks for: a prompt's token ids, how to sample, how many tokens at most.
+    ``seed``: sample this request reproducibly from its own generator (the same answer whatever
+    else runs; see :mod:`specdec.reproducible`); None: rejection sampling from the engine's stream."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    seed: int | None = None
+
+
+@dataclass
+class RowState:
+    """One request in flight: its output so far, its randomness, its own metrics."""
+
+    request: Request
+    uniforms: PositionUniforms | None  # reproducible sampling (a request seed), else None
+    result: RowResult = field(default_factory=RowResult)
+    pending: list[int] = field(default_factory=list)  # committed ids the proposer has not seen yet
+    done: bool = False
+    added_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.result.token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        """None while running, else "length", "eos", "stop" or "cancelled"."""
+        return self.result.finish_reason if self.done else None
+
+
+class PhaseTimer:
+    """Adds the seconds of each ``with timer.phase(name):`` block to ``Timings.<name>`` and keeps
+    this step's own totals in ``step`` (what the k controllers learn from)."""
+
+    def __init__(self, timings: Timings) -> None:
+        self.timings = timings
+        self.step: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t
+            setattr(self.timings, name, getattr(self.timings, name) + dt)
+            self.step[name] = self.step.get(name, 0.0) + dt
+
+
+class Engine:
+    """Continuous batching over one target (and one proposer, shared by every row).
+
+    ``capacity``: KV slots per row (prompt + max_new_tokens + k_max + 2 must fit; requests that
+    do not are refused by :meth:`add`). ``max_batch``: rows decoded together (the others wait).
+    ``k``: draft tokens per step, or "auto" (one :class:`AdaptiveK` / :class:`TreeBudget` per
+    proposer source, from measured costs and acceptance). ``seed`` seeds the engine's own streams
+    (rejection sampling of requests without a seed, and the proposer's draws). ``verifier`` has
+    :func:`~specdec.verify.verify_chain`'s signature; only exactness checks pass another one.
+    """
+
+    def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
+                 k_max: int = 8, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
+                 max_batch: int | None = None, verifier: Callable[..., ChainVerification] = verify_chain) -> None:
+        self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None
+        if k == "auto":
+            self.controllers, k = {}, k_max
+        elif not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {seed}")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.target, self.proposer, self.verifier = target, proposer, verifier
+        self.k = k if proposer is not None else 0
+        self.k_max, self.capacity, self.max_batch = k_max, capacity, max_batch
+        self.eos_token_ids = eos_token_ids
+        self.context_len = min(target.cfg.max_position_embeddings, capacity)
+        self.want_hidden = proposer is not None and proposer.wants_target_hidden
+        self.g_verify = torch.Generator().manual_seed(seed)
+        self.g_draft = torch.Generator().manual_seed(seed + 1)
+        self.cache = target.new_cache(0, capacity)
+        self.rows: list[RowState] = []  # the batch, in cache-row order
+        self.waiting: deque[RowState] = deque()
+        self.last = torch.zeros(0, dtype=torch.long)  # [B] committed tokens whose KV is not yet in the cache
+        self.metrics = GenerationMetrics(requests=0)  # all rows together, with the time by phase
+        self.timer = PhaseTimer(self.metrics.timings)
+
+    # -- requests in and out ------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError (naming the parameter) for a request this engine cannot run."""
+        if len(request.prompt) == 0:
+            raise ValueError("every prompt needs at least one token")
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {request.seed}")
+        need = len(request.prompt) + request.max_new_tokens
+        limit = min(self.target.cfg.max_position_embeddings, self.capacity - self.k_max - 2)
+        if need > limit:
+            raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                             f"exceeds the {'context length' if limit == self.target.cfg.max_position_embeddings else 'per-request token limit'} {limit}")
+
+    def add(self, request: Request) -> RowState:
+        """Queue a request; it joins the batch (prefill) at the next :meth:`step` with room."""
+        self.check(request)
+        row = RowState(request, None if request.seed is None else PositionUniforms(request.seed))
+        self.waiting.append(row)
+        self.metrics.requests += 1
+        return row
+
+    def cancel(self, row: RowState, reason: str = "cancelled", keep: int | None = None) -> None:
+        """Finish ``row`` now (a stop string, a client gone): its output is cut to ``keep`` ids if
+        given; it leaves the batch, freeing its cache row, at the next step."""
+        if keep is not None:
+            del row.result.token_ids[keep:]
+        if not row.done:
+            row.done = True
+            row.result.finish_reason = reason
+            row.result.metrics.timings.total = time.perf_counter() - row.added_at
+        if row in self.waiting:
+            self.waiting.remove(row)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RowState]:
+        """Rows leave, waiting requests join (prefill), then one decoding step of the batch.
+        Returns the rows that committed tokens or finished in this step."""
+        self.timer.step = {}
+        self._leave()
+        changed = self._join()
+        self._leave()
+        if self.rows:
+            changed += self._decode()
+        return changed
+
+    def _leave(self) -> None:
+        """Drop finished rows from the batch, the cache (compacted in place) and the proposer."""
+        keep = [i for i, r in enumerate(self.rows) if not r.done]
+        if len(keep) == len(self.rows):
+            return
+        with self.timer.phase("cache"):
+            self.rows = [self.rows[i] for i in keep]
+            self.last = self.last[keep]
+            self.cache.retain(keep)
+            if self.proposer is not None:  # (also when none is left: a proposer may keep finished outputs)
+                self.proposer.retain(keep)
+
+    def _join(self) -> list[RowState]:
+        """Prefill the waiting requests that fit, in one target call over just their rows, and
+        commit each one's first token."""
+        room = len(self.waiting) if self.max_batch is None else self.max_batch - len(self.rows)
+        joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        if not joining:
+            return []
+        prompts = [r.request.prompt for r in joining]
+        params = [r.request.params for r in joining]
+        with self.timer.phase("prefill"):
+            rows = self.cache.append_rows(len(joining))  # right-padded prompts, logits at each last token
+            lengths = torch.tensor([len(p) for p in prompts])
+            longest = int(lengths.max())
+            padded = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
+            out = self.target(padded, rows, logit_index=(lengths - 1).unsqueeze(1), return_hidden=self.want_hidden)
+            logits, hidden = out if self.want_hidden else (out, None)  # [N, 1, V], [N, L, E]
+            rows.truncate(lengths)
+            self.cache.set_lengths(len(self.rows), rows.lengths)
+        self.metrics.target_calls += 1
+        with self.timer.phase("verification"):
+            none = Proposal(torch.zeros(len(joining), 0, dtype=torch.long), None)
+            first = self._verify(joining, _probs(logits, params, "target"), none)
+        if self.proposer is not None:
+            with self.timer.phase("draft"):
+                self.proposer.add(prompts, params, self.g_draft, target_hidden=hidden)
+        if not self.metrics.timings.ttft:
+            self.metrics.timings.ttft = sum(self.timer.step.values())
+        self.rows += joining
+        self.last = torch.cat([self.last, first.tokens[:, 0]])
+        now = time.perf_counter()
+        for row, token in zip(joining, first.tokens[:, 0].tolist()):
+            row.result.metrics.target_calls = 1
+            row.result.metrics.timings.ttft = now - row.added_at
+            self._commit(row, [token])
+        return joining
+
+    def _decode(self) -> list[RowState]:
+        """propose -> one target call -> verify -> commit / roll back -> observe."""
+        pending = [r.pending for r in self.rows]  # one list object: a hybrid feeds its index once per list
+        controller = self._controller(pending)
+        proposal = self._propose(controller, pending)
+        with self.timer.phase("target_forward"):
+            before = self.cache.lengths.clone()
+            score = score_tree if proposal.is_tree else score_chain
+            logits, hidden = score(self.target, self.cache, self.last, proposal, self.want_hidden)
+        self.metrics.target_calls += 1
+        with self.timer.phase("verification"):
+            probs = _probs(logits, [r.request.params for r in self.rows], "target")  # [B, k+1, V]
+            result = self._verify(self.rows, probs, proposal)
+        with self.timer.phase("cache"):
+            self.last, hidden = commit_kv(self.cache, before, result, hidden)
+        if self.proposer is not None:
+            with self.timer.phase("draft"):
+                self.proposer.observe(result.num_accepted, target_hidden=hidden)
+        if controller is not None:
+            t = self.timer.step
+            controller.observe_step(proposal, result, t.get("draft", 0.0), t["target_forward"] + t["verification"],
+                                    caught_up=self.proposer.caught_up)
+        self._record(proposal, result)
+        return list(self.rows)
+
+    def _controller(self, pending: list[list[int]]) -> AdaptiveK | TreeBudget | None:
+        """The k controller of the source the proposer will use next (adaptive k only)."""
+        if self.controllers is None or self.proposer is None:
+            return None
+        source = self.proposer.next_source(pending)
+        if source not in self.controllers:
+            self.controllers[source] = TreeBudget(self.k_max) if self.proposer.emits_trees else AdaptiveK(k_max=self.k_max)
+        return self.controllers[source]
+
+    def _propose(self, controller, pending: list[list[int]]) -> Proposal:
+        """The drafts of this step: a chain of at most k tokens per row (one token fewer than the
+        longest row still needs), or a tree of at most k nodes that deep; none without a proposer."""
+        batch = len(self.rows)
+        if self.proposer is None:
+            return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
+        remaining = max(r.request.max_new_tokens - len(r.token_ids) for r in self.rows)
+        # The block writes positions lengths .. lengths + k of every row: no row may pass the
+        # context (ragged acceptance can leave a long row near its end while others still draft).
+        room = self.context_len - 1 - int(self.cache.lengths.max())
+        depth_cap = min(remaining - 1, room)
+        k = controller.choose() if controller is not None else self.k
+        k = min(k, room) if self.proposer.emits_trees else min(k, depth_cap)
+        with self.timer.phase("draft"):
+            proposal = self.proposer.propose(pending, k)
+            if proposal.size > k:
+                raise ValueError(f"the proposer returned {proposal.size} tokens, more than k={k}")
+            if proposal.is_tree:
+                proposal = proposal.cut_depth(depth_cap)
+                if controller is not None:
+                    proposal = proposal.prune(controller.nodes(proposal))
+        return proposal
+
+    def _verify(self, rows: list[RowState], probs: torch.Tensor, proposal: Proposal):
+        """Rejection sampling from the engine's stream for rows without a seed; reproducible
+        sampling (each row's uniforms at its output positions) for rows with one."""
+        fixed = [r.uniforms is not None for r in rows]
+        rejection = None
+        if not all(fixed):
+            if proposal.is_tree:
+                rejection = verify_tree(probs, proposal.probs, proposal.tokens, proposal.parents, self.g_verify,
+                                        without_replacement=proposal.without_replacement)
+            else:
+                rejection = self.verifier(probs, proposal.probs, proposal.tokens, self.g_verify)
+            if not any(fixed):
+                return rejection
+        depths = proposal.node_depths if proposal.is_tree else None
+        width = (int(depths.max()) if proposal.size else 0) + 1 if proposal.is_tree else proposal.size + 1
+        u = torch.stack([r.uniforms.take(len(r.token_ids), width) if r.uniforms is not None
+                         else torch.zeros(width, dtype=torch.float64) for r in rows])  # [B, width]
+        if proposal.is_tree:
+            reproducible = verify_tree_at(probs, proposal.tokens, proposal.parents, depths, u)
+        else:
+            reproducible = verify_chain_at(probs, proposal.tokens, u)
+        return reproducible if rejection is None else merge(torch.tensor(fixed), reproducible, rejection)
+
+    def _record(self, proposal: Proposal, result) -> None:
+        """Per-row acceptance bookkeeping (one tolist per quantity, no per-row tensor ops) and
+        the commit of each row's tokens."""
+        depth, accepted = draft_depth(proposal), result.num_accepted.tolist()
+        scored = (proposal.tokens >= 0).sum(1).tolist() if proposal.is_tree else depth
+        committed = result.tokens.tolist()
+        for i, row in enumerate(self.rows):
+            metrics = row.result.metrics
+            metrics.target_calls += 1
+            metrics.acceptance.record(depth[i], accepted[i], scored[i])
+            self.metrics.acceptance.record(depth[i], accepted[i], scored[i])
+            self._commit(row, committed[i][: accepted[i] + 1])
+
+    def _commit(self, row: RowState, ids: list[int]) -> None:
+        going = commit_tokens(row.result, ids, self.eos_token_ids, row.request.max_new_tokens, None)
+        row.pending = ids
+        if not going:
+            row.done = True
+            row.result.metrics.timings.total = time.perf_counter() - row.added_at
+            row.result.metrics.generated_tokens = len(row.token_ids)
+
+
 def generate(
     target: Transformer,
     prompts: list[list[int]],
@@ -130,170 +435,69 @@ def generate(
     k: int | str = 0,
     k_max: int = 8,
     seed: int = 0,
+    seeds: list[int | None] | None = None,
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
     stop_checker: StopChecker | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
     verifier: Callable[..., ChainVerification] = verify_chain,
 ) -> list[RowResult]:
-    """Generate up to ``max_new_tokens`` per prompt; exact target sampling whatever the proposer.
+    """Generate up to ``max_new_tokens`` per prompt, all rows joining at once; exact target
+    sampling whatever the proposer. A thin loop over :class:`Engine`.
 
-    ``k`` is the number of draft tokens per step, or ``"auto"``: an :class:`AdaptiveK` controller
-    (one per proposer source, see ``HybridProposer.next_source``) picks 0..``k_max`` each step
-    from measured costs and acceptance.
-
-    ``verifier`` has :func:`~specdec.verify.verify_chain`'s signature; only exactness checks pass
-    another one (a deliberately wrong verifier as their negative control).
+    ``k``: draft tokens per step, or ``"auto"``. ``seed``: the engine's streams; ``seeds`` (one
+    per prompt, None for some): reproducible sampling for those rows. ``stop_checker(row, ids)``
+    returns how many ids to keep once a stop sequence has appeared (checked after each committed
+    token); ``on_tokens(row, ids)`` sees each row's ids after every step that changed them.
     """
     batch = len(prompts)
     if batch == 0:
         return []
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    controllers: dict[str, AdaptiveK] | None = None
-    if k == "auto":
-        controllers, k = {}, k_max
-    elif not isinstance(k, int) or k < 0:
-        raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed must be in [0, {MAX_SEED}], got {seed}")
-    if proposer is None:
-        k = 0
+    if seeds is not None and len(seeds) != batch:
+        raise ValueError(f"{len(seeds)} seeds for {batch} prompts")
     row_params = params if isinstance(params, list) else [params] * batch
-    context_len = target.cfg.max_position_embeddings
     longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > context_len:
+    context = target.cfg.max_position_embeddings
+    if longest + max_new_tokens > context:
         raise ValueError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context length {context_len}"
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context length {context}"
         )
-    capacity = longest + max_new_tokens + k + 2
-    g_verify = torch.Generator().manual_seed(seed)
-    g_draft = torch.Generator().manual_seed(seed + 1)
-    results = [RowResult() for _ in range(batch)]
-    metrics = GenerationMetrics(requests=batch)
-    tm = metrics.timings
+    k_room = k_max if k == "auto" else k if isinstance(k, int) else 0
+    engine = Engine(target, proposer, capacity=longest + max_new_tokens + max(k_room, k_max) + 2, k=k,
+                    k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, verifier=verifier)
     start = time.perf_counter()
+    rows = [engine.add(Request(p, row_params[i], max_new_tokens, None if seeds is None else seeds[i]))
+            for i, p in enumerate(prompts)]
+    index = {id(r): i for i, r in enumerate(rows)}
+    seen = [0] * batch
+    while engine.busy:
+        for row in engine.step():
+            i = index[id(row)]
+            if stop_checker is not None:
+                check_stop(engine, row, lambda ids: stop_checker(i, ids), seen[i])
+            seen[i] = len(row.token_ids)
+            if on_tokens is not None:
+                on_tokens(i, row.token_ids)
+    engine.metrics.timings.total = time.perf_counter() - start
+    engine.metrics.generated_tokens = sum(len(r.token_ids) for r in rows)
+    for r in rows:
+        r.result.metrics.generated_tokens = len(r.token_ids)
+        r.result.batch_metrics = engine.metrics
+    return [r.result for r in rows]
 
-    # Prefill: right-padded prompts, logits at each row's last prompt token only.
-    cache = target.new_cache(batch, capacity)
-    lengths = torch.tensor([len(p) for p in prompts])
-    padded = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
-    # A proposer that reads the target's features (a draft head) gets them from the same calls.
-    want_hidden = proposer is not None and proposer.wants_target_hidden
-    out = target(padded, cache, logit_index=(lengths - 1).unsqueeze(1), return_hidden=want_hidden)
-    logits, prefill_hidden = out if want_hidden else (out, None)  # [B, 1, V], [B, L, E]
-    cache.truncate(lengths)
-    metrics.target_calls += 1
-    t = time.perf_counter()
-    tm.prefill = t - start
-    first = verifier(_probs(logits, row_params, "target"), None, torch.zeros(batch, 0, dtype=torch.long), g_verify)
-    tm.sampling += time.perf_counter() - t
 
-    last = first.tokens[:, 0].clone()  # [B'] committed tokens whose KV is not yet in the cache
-    pending = [[int(x)] for x in last]
-    alive = list(range(batch))  # original row of each position in the (compacted) batch
-
-    def commit(row: int, ids: list[int]) -> bool:
-        """Append ``ids`` to ``row``; returns whether the row is still going."""
-        res = results[row]
-        going = commit_tokens(res, ids, eos_token_ids, max_new_tokens,
-                              None if stop_checker is None else lambda ids: stop_checker(row, ids))
-        if on_tokens is not None:
-            on_tokens(row, res.token_ids)
-        if not going:
-            res.metrics.timings.total = time.perf_counter() - start
-        return going
-
-    if proposer is not None:
-        t = time.perf_counter()
-        proposer.start(prompts, row_params, g_draft, target_hidden=prefill_hidden)
-        tm.draft += time.perf_counter() - t
-    for row in range(batch):
-        results[row].metrics.target_calls = 1
-        results[row].metrics.timings.ttft = time.perf_counter() - start
-    tm.ttft = time.perf_counter() - start
-    keep = [i for i in range(batch) if commit(i, pending[i])]
-
-    while True:
-        if len(keep) < len(alive):  # drop finished rows from the batch (and from the proposer)
-            t = time.perf_counter()
-            alive, last = [alive[i] for i in keep], last[keep]
-            pending = [pending[i] for i in keep]
-            if proposer is not None:  # (also when none is left: a proposer may keep finished outputs)
-                proposer.retain(keep)
-            if not alive:
-                break
-            cache = cache.fork(keep)
-            tm.cache += time.perf_counter() - t
-        remaining = max(max_new_tokens - len(results[r].token_ids) for r in alive)
-        # The block writes positions lengths .. lengths + k of every row: no row may pass the
-        # context (ragged acceptance can leave a long row near its end while others still draft).
-        room = context_len - 1 - int(cache.lengths.max())
-        controller = None
-        if controllers is not None and proposer is not None:
-            source = proposer.next_source(pending)
-            if source not in controllers:
-                controllers[source] = TreeBudget(k_max) if proposer.emits_trees else AdaptiveK(k_max=k_max)
-            controller = controllers[source]
-        # A chain drafts at most one token fewer than the row still needs; a tree (k = nodes) at
-        # most that deep.
-        depth_cap = min(remaining - 1, room)
-        step_k = controller.choose() if controller else k
-        step_k = min(step_k, room) if proposer is not None and proposer.emits_trees else min(step_k, depth_cap)
-        t0 = time.perf_counter()
-        if proposer is not None:
-            proposal = proposer.propose(pending, step_k)
-            if proposal.size > step_k:
-                raise ValueError(f"the proposer returned {proposal.size} tokens, more than k={step_k}")
-            if proposal.is_tree:
-                proposal = proposal.cut_depth(depth_cap)
-            if controller is not None and proposal.is_tree:
-                proposal = proposal.prune(controller.nodes(proposal))
-        else:
-            proposal = Proposal(torch.zeros(len(alive), 0, dtype=torch.long), None)
-        step_k = proposal.size  # a proposer may propose fewer (e.g. no n-gram match)
-        t1 = time.perf_counter()
-        before = cache.lengths.clone()
-        logits, hidden = (score_tree if proposal.is_tree else score_chain)(target, cache, last, proposal, want_hidden)
-        metrics.target_calls += 1
-        t2 = time.perf_counter()
-        probs = _probs(logits, [row_params[r] for r in alive], "target")  # [B', k+1, V]
-        if proposal.is_tree:
-            result = verify_tree(probs, proposal.probs, proposal.tokens, proposal.parents, g_verify,
-                                 without_replacement=proposal.without_replacement)
-        else:
-            result = verifier(probs, proposal.probs, proposal.tokens, g_verify)
-        t3 = time.perf_counter()
-        last, hidden = commit_kv(cache, before, result, hidden)
-        t4 = time.perf_counter()
-        if proposer is not None:
-            proposer.observe(result.num_accepted, target_hidden=hidden)
-        t5 = time.perf_counter()
-        if controller is not None:
-            controller.observe_step(proposal, result, (t1 - t0) + (t5 - t4), t3 - t1,
-                               caught_up=proposer.caught_up)
-        tm.draft += (t1 - t0) + (t5 - t4)
-        tm.verify += t2 - t1
-        tm.sampling += t3 - t2
-        tm.cache += t4 - t3
-        # per row, as plain ints (one conversion each, not per row): drafted positions (a tree's
-        # depth), accepted, and draft tokens scored (a tree's real nodes)
-        depth, accepted = draft_depth(proposal), result.num_accepted.tolist()
-        scored = (proposal.tokens >= 0).sum(1).tolist() if proposal.is_tree else depth
-        pending, keep = [], []
-        for i, row in enumerate(alive):
-            ids = result.committed(i)
-            pending.append(ids)
-            row_metrics = results[row].metrics
-            row_metrics.target_calls += 1
-            row_metrics.acceptance.record(depth[i], accepted[i], scored[i])
-            metrics.acceptance.record(depth[i], accepted[i], scored[i])
-            if commit(row, ids):
-                keep.append(i)
-    tm.total = time.perf_counter() - start
-    metrics.generated_tokens = sum(len(r.token_ids) for r in results)
-    for r in results:
-        r.metrics.generated_tokens = len(r.token_ids)
-        r.batch_metrics = metrics
-    return results
+def check_stop(engine: Engine, row: RowState, checker: Callable[[list[int]], "int | None"], seen: int) -> None:
+    """After a step: the first of this step's new tokens at which a stop sequence appears ends
+    the row there (later tokens of the block are dropped, as if it had stopped at that token)."""
+    ids = row.token_ids
+    last = len(ids) - (row.finish_reason == "eos")  # an EOS token is not checked (it ends the row itself)
+    for end in range(seen + 1, last + 1):
+        keep = checker(ids[:end])
+        if keep is not None:
+            engine.cancel(row, "stop", keep)
+            row.result.finish_reason = "stop"  # also when the block had reached max_new_tokens or EOS
+            row.result.metrics.generated_tokens = len(row.token_ids)
+            return

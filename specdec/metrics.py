@@ -3,8 +3,8 @@
 1. acceptance quality: accepted draft tokens per call, full-acceptance rate, histogram of the
    first-rejection position;
 2. target serial steps: target calls per emitted token, tokens per call;
-3. end-to-end time: TTFT, TPOT, throughput, and where the time went (draft, verify, sampling,
-   cache).
+3. end-to-end time: TTFT, TPOT, throughput, and where the time went (draft, target forward,
+   verification, cache).
 
 No I/O here; ``to_dict`` gives the JSON shape used by ``specdec generate --json``.
 """
@@ -96,11 +96,11 @@ def _add(a: list[int], b: list[int]) -> list[int]:
 class Timings:
     """Seconds spent per phase; ``total`` is wall-clock from start to the last token."""
 
-    prefill: float = 0.0
-    draft: float = 0.0
-    verify: float = 0.0  # target forward calls after prefill
-    sampling: float = 0.0  # logits -> probabilities, verification math, sampling
-    cache: float = 0.0  # KV rollback and bookkeeping
+    prefill: float = 0.0  # target calls over prompts (and the joining rows' cache set-up)
+    draft: float = 0.0  # the proposer: propose, observe, and prefill of its own cache
+    target_forward: float = 0.0  # target forward calls over the verified blocks
+    verification: float = 0.0  # logits -> probabilities, acceptance / residual / bonus, sampling
+    cache: float = 0.0  # KV rollback, compaction of rows that left
     ttft: float = 0.0
     total: float = 0.0
 
@@ -136,8 +136,8 @@ class GenerationMetrics:
             "time_breakdown_s": {
                 "prefill": t.prefill,
                 "draft": t.draft,
-                "verify": t.verify,
-                "sampling": t.sampling,
+                "target_forward": t.target_forward,
+                "verification": t.verification,
                 "cache": t.cache,
             },
         }

@@ -22,7 +22,7 @@ import torch
 # (and inf is not a temperature): such a value is a mistake, not a request.
 MAX_TEMPERATURE = 100.0
 
-__all__ = ["MAX_TEMPERATURE", "SamplingParams", "greedy_one_hot", "probs_from_logits", "probs_per_row", "sample"]
+__all__ = ["MAX_TEMPERATURE", "SamplingParams", "greedy_one_hot", "probs_from_logits", "probs_per_row", "sample", "sample_at"]
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,21 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     negative entry makes its total non-finite or non-positive): such a row is a bug upstream, and
     returning some id for it would hide the bug.
     """
+    rows = probs.reshape(-1, probs.shape[-1]).shape[0]
+    u = torch.rand(rows, 1, generator=generator, dtype=torch.float64, device=probs.device)
+    return sample_at(probs, u.view(probs.shape[:-1]))
+
+
+def sample_at(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The inverse CDF of each row of ``probs`` ``[..., V]`` at the given ``uniforms`` ``[...]``
+    (float64 in [0, 1)): :func:`sample` with its uniforms supplied (what reproducible sampling
+    uses, :mod:`specdec.reproducible`)."""
     flat = probs.reshape(-1, probs.shape[-1])
     cdf = flat.to(torch.float64).cumsum(-1)  # [N, V]
     total = cdf[:, -1:]  # [N, 1]
     if not bool(((total > 0) & torch.isfinite(total)).all()):
         raise ValueError("cannot sample from a row whose probabilities are all zero, NaN or infinite")
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
+    u = uniforms.reshape(-1, 1).to(torch.float64)  # [N, 1]
     ids = torch.searchsorted(cdf, u * total, right=True)  # [N, 1]
     # u < 1, so u * total < total and searchsorted finds an id < V, except when rounding makes
     # u * total == total for u within ~1e-16 of 1: the clamp keeps that id in range.

@@ -171,7 +171,7 @@ def test_head_cache_rollback_equals_fresh_computation(trained):
     cache = int8.new_cache(1, 64)
     _, hidden = int8(torch.tensor([prompt]), cache, return_hidden=True)
     proposer = _head_proposer(net, int8)
-    proposer.start([prompt], [GREEDY], g(), target_hidden=hidden)
+    proposer.add([prompt], [GREEDY], g(), target_hidden=hidden)
     drafts = proposer.propose([[7]], 4).tokens[0].tolist()
     block = [7] + drafts
     _, block_hidden = int8(torch.tensor([block]), cache, return_hidden=True)
@@ -184,7 +184,7 @@ def test_head_cache_rollback_equals_fresh_computation(trained):
     fresh_cache = int8.new_cache(1, 64)
     _, fresh_hidden = int8(torch.tensor([text]), fresh_cache, return_hidden=True)
     fresh = _head_proposer(net, int8)
-    fresh.start([text], [GREEDY], g(), target_hidden=fresh_hidden)
+    fresh.add([text], [GREEDY], g(), target_hidden=fresh_hidden)
     expected = fresh.propose([[31]], 3)
     assert torch.equal(after.tokens, expected.tokens)
     assert torch.equal(after.probs, expected.probs)
@@ -195,7 +195,7 @@ def test_ids_outside_the_subset_are_never_drafted(fp32_target):
     proposer = _head_proposer(net, fp32_target)
     prompt = [1, 2, 3]
     _, hidden = fp32_target(torch.tensor([prompt]), fp32_target.new_cache(1, 8), return_hidden=True)
-    proposer.start([prompt], [SamplingParams(temperature=1.0)], torch.Generator().manual_seed(0), target_hidden=hidden)
+    proposer.add([prompt], [SamplingParams(temperature=1.0)], torch.Generator().manual_seed(0), target_hidden=hidden)
     out = proposer.propose([[4]], 3)
     outside = torch.ones(fp32_target.vocab_size, dtype=torch.bool)
     outside[net.vocab_ids] = False

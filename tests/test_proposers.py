@@ -28,7 +28,7 @@ def test_ngram_index_finds_latest_longest_match():
 
 def test_ngram_proposer_pads_rows_without_match():
     p = NgramProposer(2, 2)
-    p.start([[1, 2, 5, 1, 2], [7, 8, 9]], [GREEDY, GREEDY], torch.Generator())
+    p.add([[1, 2, 5, 1, 2], [7, 8, 9]], [GREEDY, GREEDY], torch.Generator())
     proposal = p.propose([[], []], 3)
     assert proposal.probs is None
     assert proposal.tokens.tolist() == [[5, 1, 2], [9, 9, 9]]
@@ -72,7 +72,7 @@ def test_greedy_identity_for_every_proposer(pair, kind, k):
 def test_pruned_draft_never_drafts_ids_outside_its_subset(pair):
     target, draft = pair
     proposer = _make("pruned", target, draft, 64)
-    proposer.start([[1, 2, 3]], [PARAMS], torch.Generator().manual_seed(0))
+    proposer.add([[1, 2, 3]], [PARAMS], torch.Generator().manual_seed(0))
     proposal = proposer.propose([[4]], 4)
     assert proposal.probs.shape[-1] == draft.vocab_size
     assert bool((proposal.probs[..., -1] == 0).all()) and bool((proposal.tokens < draft.vocab_size - 1).all())

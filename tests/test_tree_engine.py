@@ -126,7 +126,7 @@ def test_head_tree_candidates_are_the_heads_own_best_guesses(target):
     tree = HeadTreeProposer(head, 32, width=3, depth=3, min_score=0.0)  # (an untrained head is unsure)
     chain = HeadProposer(head, 32)
     for p in (tree, chain):
-        p.start(prompt, [GREEDY], torch.Generator().manual_seed(0), target_hidden=hidden)
+        p.add(prompt, [GREEDY], torch.Generator().manual_seed(0), target_hidden=hidden)
     t = tree.propose([[7]], 9)
     c = chain.propose([[7]], 3)
     roots = t.tokens[0][t.parents[0] == -1]

@@ -81,7 +81,7 @@ def _report(runs, args, gen) -> None:
         full = med(lambda r: r["spec"]["acceptance"]["full_acceptance_rate"])
         cpt = med(lambda r: r["spec"]["target_calls_per_token"])
         d = med(lambda r: r["spec"]["time_breakdown_s"]["draft"])
-        v = med(lambda r: r["spec"]["time_breakdown_s"]["verify"])
+        v = med(lambda r: r["spec"]["time_breakdown_s"].get("target_forward", r["spec"]["time_breakdown_s"].get("verify")))
         same = "yes" if temp == 0 and all(r["spec_equals_plain"] for r in rs) else ("no" if temp == 0 else "n/a")
         print(f"| {temp} | {spec:.2f} | {plain:.2f} | {hfp:.2f} | {hfa:.2f} | {hf32:.2f} | {spec / plain:.2f}x | {spec / hfa:.2f}x | "
               f"{spec / hf32:.2f}x | {acc:.2f} | {full:.0%} | {cpt:.3f} | {d:.2f} | {v:.2f} | {same} |")

@@ -1,7 +1,8 @@
 """The Proposer protocol: suggest up to k tokens per row, then learn what was committed.
 
 A proposer owns whatever state it needs (a draft model's KV cache, an n-gram index) and keeps it
-in step with the committed text through ``observe``. The engine never touches that state.
+in step with the committed text through ``observe``. The engine never touches that state. Rows
+join (``add``) and leave (``retain``) between steps.
 """
 
 from __future__ import annotations
@@ -100,10 +101,12 @@ class Proposer(Protocol):
         """Which proposer the next ``propose`` uses ("default" for a single one): adaptive k keeps
         one controller per source."""
 
-    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-              target_hidden: torch.Tensor | None = None) -> None:
-        """Begin a batch: ``prompts`` are the token ids already in each row's context;
-        ``target_hidden`` ``[B, L, E]`` their target features when ``wants_target_hidden``."""
+    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
+            target_hidden: torch.Tensor | None = None) -> None:
+        """New rows join at the end of the batch (continuous batching; the first call starts
+        it): ``prompts`` are the token ids already in each new row's context; ``target_hidden``
+        ``[N, L, E]`` their target features when ``wants_target_hidden``. ``generator``: the
+        engine's draft stream (the same object at every call)."""
 
     def propose(self, pending: list[list[int]], k: int) -> Proposal:
         """Propose ``k`` tokens per row. ``pending[b]`` holds the tokens committed since the last
@@ -116,7 +119,7 @@ class Proposer(Protocol):
         ``wants_target_hidden``."""
 
     def retain(self, rows: list[int]) -> None:
-        """Keep only these rows (by current position); the others have finished."""
+        """Keep only these rows (by current position, in this order); the others have left."""
 
 
 class SingleSource:

@@ -27,17 +27,28 @@ class DraftModelProposer(SingleSource):
         self.capacity = capacity
         self.vocab_ids, self.vocab_size = vocab_ids, vocab_size
         self.cache = None
+        self.params: list[SamplingParams] = []
+        self._pending_prefix: list[list[int]] = []  # per row: committed ids not yet fed (skipped while k = 0)
+        self._skip: list[int] = []  # per row: accepted drafts already in the cache, to skip in ``pending``
         self._fed_drafts = 0  # draft tokens of the last proposal that were written into the cache
-
-    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-              target_hidden: torch.Tensor | None = None) -> None:
-        self.params, self.generator = params, generator
-        self.cache = self.model.new_cache(len(prompts), self.capacity)
-        # Nothing runs yet: the prompt is fed (as one prefill) with the first proposal.
-        self._pending_prefix = [list(p) for p in prompts]
-        self._skip = [0] * len(prompts)
-        self._fed_drafts = 0
         self.caught_up = False
+
+    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
+            target_hidden: torch.Tensor | None = None) -> None:
+        """New rows: their prompts are prefilled now, in one call over just those rows."""
+        self.params, self.generator = self.params + list(params), generator
+        if self.cache is None:
+            self.cache = self.model.new_cache(0, self.capacity)
+        start = self.cache.batch
+        rows = self.cache.append_rows(len(prompts))
+        counts = torch.tensor([len(p) for p in prompts])
+        width = int(counts.max())
+        padded = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+        self.model(padded, rows, logit_index=(counts - 1).unsqueeze(1))  # (the logits come with the first token)
+        rows.truncate(counts)
+        self.cache.set_lengths(start, rows.lengths)
+        self._pending_prefix += [[] for _ in prompts]
+        self._skip += [0] * len(prompts)
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V or N] -> [B, V]
         if not torch.isfinite(logits).all():
@@ -52,7 +63,7 @@ class DraftModelProposer(SingleSource):
 
     def propose(self, pending: list[list[int]], k: int) -> Proposal:
         batch = len(pending)
-        # Skip the accepted drafts already in the cache; prepend what start() held back.
+        # Skip the accepted drafts already in the cache; prepend what k = 0 steps held back.
         feed = [pre + new[skip:] for pre, new, skip in zip(self._pending_prefix, pending, self._skip)]
         self._pending_prefix = [[] for _ in range(batch)]
         self._skip = [0] * batch
@@ -88,7 +99,7 @@ class DraftModelProposer(SingleSource):
         return logits
 
     def retain(self, rows: list[int]) -> None:
-        self.cache = self.cache.fork(rows)
+        self.cache.retain(rows)
         self.params = [self.params[i] for i in rows]
         self._pending_prefix = [self._pending_prefix[i] for i in rows]
         self._skip = [self._skip[i] for i in rows]

@@ -262,19 +262,36 @@ class HeadProposer(SingleSource):
     def __init__(self, head: DraftHead, capacity: int) -> None:
         self.head, self.capacity = head, capacity
         self.caught_up = False
+        self.cache: KVCache | None = None
+        self.params: list[SamplingParams] = []
+        self._committed = torch.zeros(0, dtype=torch.long)
+        self._feats: list[torch.Tensor] = []
+        self._tokens: list[list[int]] = []
 
-    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-              target_hidden: torch.Tensor | None = None) -> None:
-        """``target_hidden`` ``[B, L, E]``: the target's features of the prompts (from prefill)."""
+    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
+            target_hidden: torch.Tensor | None = None) -> None:
+        """New rows, with ``target_hidden`` ``[N, L, E]`` the target's features of their prompts
+        (from prefill). The pairs (feature t, token t+1) of each prompt are fed now, in one head
+        call over just those rows; the last feature waits for the first generated token."""
         if target_hidden is None:
             raise ValueError("the draft head needs the target's prefill features (target_hidden)")
-        self.params, self.generator = params, generator
-        self.cache = self.head.new_cache(len(prompts), self.capacity)
-        # Per row: features not yet fed to the head, and the tokens that follow them (the token after
-        # the last one arrives with the next pending list).
-        self._feats = [target_hidden[b, : len(p)] for b, p in enumerate(prompts)]
-        self._tokens = [list(p[1:]) for p in prompts]
-        self._committed = self.cache.lengths.clone()  # [B] slots of true (feature, token) pairs
+        self.params, self.generator = self.params + list(params), generator
+        if self.cache is None:
+            self.cache = self.head.new_cache(0, self.capacity)
+        start = self.cache.batch
+        rows = self.cache.append_rows(len(prompts))
+        counts = torch.tensor([len(p) - 1 for p in prompts])  # pairs complete now
+        width = int(counts.max())
+        if width > 0:
+            tokens = torch.tensor([p[1:] + [0] * (width - len(p) + 1) for p in prompts])  # [N, W]
+            self.head(target_hidden[:, :width], tokens, rows, logit_index=(counts.clamp(min=1) - 1).unsqueeze(1))
+            rows.truncate(counts)
+        self.cache.set_lengths(start, rows.lengths)
+        self._committed = torch.cat([self._committed, rows.lengths])  # [B] slots of true (feature, token) pairs
+        # Per row: features not yet fed to the head, and the tokens that follow them (the token
+        # after the last one arrives with the next pending list).
+        self._feats += [target_hidden[b, len(p) - 1 : len(p)] for b, p in enumerate(prompts)]
+        self._tokens += [[] for _ in prompts]
 
     def propose(self, pending: list[list[int]], k: int) -> Proposal:
         batch = len(pending)
@@ -329,7 +346,7 @@ class HeadProposer(SingleSource):
                        enumerate(zip(self._feats, num_accepted))]
 
     def retain(self, rows: list[int]) -> None:
-        self.cache = self.cache.fork(rows)
+        self.cache.retain(rows)
         self.params = [self.params[i] for i in rows]
         self._feats = [self._feats[i] for i in rows]
         self._tokens = [self._tokens[i] for i in rows]

@@ -23,18 +23,19 @@ class HybridProposer:
         self.ngram, self.model_draft = ngram, model_draft
         self.emits_trees = ngram.emits_trees
         self._queued: list[list[int]] = []
+        self._fresh: list[list[int]] | None = None
         self._used = None
 
     @property
     def wants_target_hidden(self) -> bool:
         return self.model_draft.wants_target_hidden
 
-    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-              target_hidden: torch.Tensor | None = None) -> None:
-        self.ngram.start(prompts, params, generator)
-        self.model_draft.start(prompts, params, generator, target_hidden=target_hidden)
-        self._queued = [[] for _ in prompts]
-        self._fresh: list[list[int]] | None = None
+    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
+            target_hidden: torch.Tensor | None = None) -> None:
+        self.ngram.add(prompts, params, generator)
+        self.model_draft.add(prompts, params, generator, target_hidden=target_hidden)
+        self._queued += [[] for _ in prompts]
+        self._fresh = None
 
     def next_source(self, pending: list[list[int]]) -> str:
         """Which proposer the next ``propose(pending, k)`` will use (feeds the n-gram index)."""

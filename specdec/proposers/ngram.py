@@ -59,9 +59,8 @@ class NgramProposer(SingleSource):
         self.n_min, self.n_max = n_min, n_max
         self.rows: list[NgramIndex] = []
 
-    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-              target_hidden: torch.Tensor | None = None) -> None:
-        self.rows = []
+    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
+            target_hidden: torch.Tensor | None = None) -> None:
         for prompt in prompts:
             index = NgramIndex(self.n_min, self.n_max)
             index.extend(prompt)

@@ -119,9 +119,9 @@ class SuffixProposer(SingleSource):
         self.rows: list[SuffixIndex] = []
         self._prompt_lengths: list[int] = []
 
-    def start(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-              target_hidden: torch.Tensor | None = None) -> None:
-        self.rows, self._prompt_lengths = [], [len(p) for p in prompts]
+    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
+            target_hidden: torch.Tensor | None = None) -> None:
+        self._prompt_lengths += [len(p) for p in prompts]
         for prompt in prompts:
             index = SuffixIndex(self.max_match)
             index.extend(prompt)

@@ -5,7 +5,10 @@ appends a block of ``T`` slots at each row's length; ``truncate`` rolls back in 
 lengths — stale slots past a row's length are never attended to (the model's mask only admits
 committed slots and the current block), and they are overwritten by the next block.
 
-Layout: ``k[layer]`` and ``v[layer]`` are ``[B, H_kv, capacity, D]``.
+Layout: ``k[layer]`` and ``v[layer]`` are ``[B, H_kv, capacity, D]``: views of the first ``B``
+rows of a storage that may hold more. Rows join (:meth:`append_rows`, continuous batching) and
+leave (:meth:`retain`, compacted in place) without reallocating once the storage has grown to
+the largest batch seen, so memory stays bounded by that batch.
 """
 
 from __future__ import annotations
@@ -23,13 +26,21 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        if batch < 1 or capacity < 1:
-            raise ValueError("KVCache needs batch >= 1 and capacity >= 1")
+        if batch < 0 or capacity < 1:
+            raise ValueError("KVCache needs batch >= 0 and capacity >= 1")
         self.capacity = capacity
-        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        shape = (num_layers, max(batch, 1), num_kv_heads, capacity, head_dim)
+        self._k = torch.zeros(shape, dtype=dtype)  # storage: [L, rows, H, capacity, D]
+        self._v = torch.zeros(shape, dtype=dtype)
         self.lengths = torch.zeros(batch, dtype=torch.long)  # [B] committed + appended slots per row
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._k[:, : self.batch]  # [L, B, H, capacity, D] (a view)
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._v[:, : self.batch]
 
     @property
     def batch(self) -> int:
@@ -85,12 +96,55 @@ class KVCache:
             self.v[:, b, :, dst[b, j]] = self.v[:, b, :, src[b, j]]
         self.truncate(before + 1 + num_accepted)
 
+    def append_rows(self, n: int) -> "KVCache":
+        """Add ``n`` empty rows at the end of the batch (growing the storage if it is full) and
+        return a cache over just those rows that shares this one's storage: a forward call on it
+        (e.g. the prefill of joining requests) fills them in place; then :meth:`set_lengths`."""
+        start, end = self.batch, self.batch + n
+        if end > self._k.shape[1]:  # grow to exactly the rows needed, copying only written slots
+            used = int(self.lengths.max()) if start else 0
+            shape = list(self._k.shape)
+            shape[1] = end
+            k, v = self._k.new_zeros(shape), self._v.new_zeros(shape)
+            k[:, :start, :, :used] = self._k[:, :start, :, :used]
+            v[:, :start, :, :used] = self._v[:, :start, :, :used]
+            self._k, self._v = k, v
+        self.lengths = torch.cat([self.lengths, torch.zeros(n, dtype=torch.long)])
+        view = KVCache.__new__(KVCache)
+        view.capacity = self.capacity
+        view._k, view._v = self._k[:, start:end], self._v[:, start:end]
+        view.lengths = torch.zeros(n, dtype=torch.long)
+        return view
+
+    def set_lengths(self, start: int, lengths: torch.Tensor) -> None:
+        """Rows ``start ..`` now hold ``lengths`` slots (after filling a view of them)."""
+        new = self.lengths.clone()
+        new[start : start + lengths.shape[0]] = lengths
+        self.lengths = new
+
+    def retain(self, order: list[int]) -> None:
+        """Keep the rows ``order`` (current positions), in that order, compacting in place. When
+        every moved row comes from past the new batch size (finished rows' places filled from
+        the end), only those rows' written slots are copied; otherwise the kept rows are gathered."""
+        n = len(order)
+        moves = [(j, s) for j, s in enumerate(order) if s != j]
+        if all(s >= n for _, s in moves):
+            for j, s in moves:
+                used = int(self.lengths[s])
+                self._k[:, j, :, :used] = self._k[:, s, :, :used]
+                self._v[:, j, :, :used] = self._v[:, s, :, :used]
+        elif moves:
+            index = torch.as_tensor(order, dtype=torch.long)
+            self._k[:, :n] = self._k[:, index]
+            self._v[:, :n] = self._v[:, index]
+        self.lengths = self.lengths[torch.as_tensor(order, dtype=torch.long)].clone()
+
     def fork(self, rows: torch.Tensor | list[int]) -> "KVCache":
         """A copy holding the given rows (repeat a row to branch it, e.g. for candidate trees)."""
         index = torch.as_tensor(rows, dtype=torch.long)
         other = KVCache.__new__(KVCache)
         other.capacity = self.capacity
-        other.k = self.k[:, index].clone()
-        other.v = self.v[:, index].clone()
+        other._k = self.k[:, index].clone()
+        other._v = self.v[:, index].clone()
         other.lengths = self.lengths[index].clone()
         return other

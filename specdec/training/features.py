@@ -70,9 +70,13 @@ class _Recorder(SingleSource):
     wants_target_hidden = True
     emits_trees = False
 
-    def start(self, prompts, params, generator, target_hidden=None) -> None:
-        self.rows = list(range(len(prompts)))  # original row of each batch position
-        self.feats = [[target_hidden[b, : len(p)]] for b, p in enumerate(prompts)]
+    def __init__(self) -> None:
+        self.rows: list[int] = []  # original row of each batch position
+        self.feats: list[list[torch.Tensor]] = []
+
+    def add(self, prompts, params, generator, target_hidden=None) -> None:
+        self.rows += range(len(self.feats), len(self.feats) + len(prompts))
+        self.feats += [[target_hidden[b, : len(p)]] for b, p in enumerate(prompts)]
 
     def propose(self, pending, k):
         from specdec.proposers.base import Proposal

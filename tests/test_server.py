@@ -1,0 +1,246 @@
+"""The OpenAI-compatible server, started inside the test on a tiny model (loopback only).
+
+The official ``openai`` client talks to it: completions, chat, streaming, errors. The load test
+sends 64 concurrent streaming requests (greedy and seeded sampling, mixed lengths and
+parameters, some with stop strings) and checks every answer against the same request run
+alone on the same server afterwards: nothing lost, mixed up or hung, memory bounded. Every
+network wait has a timeout, so a hang fails the test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specdec.api import TextGenerator
+from specdec.server import ServeConfig, create_app
+from tiny_models import hf_tiny, save_hf_dir
+
+MODEL = "tiny"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+class Server:
+    """uvicorn in a thread on a free loopback port; ``stop`` shuts it down gracefully."""
+
+    def __init__(self, gen: TextGenerator, config: ServeConfig) -> None:
+        self.app = create_app(gen, config, MODEL)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise TimeoutError("the server did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the server did not shut down"
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory):
+    directory = save_hf_dir(hf_tiny("llama", seed=0), tmp_path_factory.mktemp("model"))
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return TextGenerator.load(str(directory), dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def server(gen):
+    # hybrid = n-gram lookup, else the target's first layer as a sampled draft; k chosen each step
+    # from measured timings: what each row drafts depends on the batch and the clock.
+    s = Server(gen, ServeConfig(proposer="hybrid", k="auto", exit_layer=1, max_batch=16, max_queue=128, max_model_len=256))
+    yield s
+    s.stop()
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+    server.client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in ("specdec_requests_total", "specdec_generated_tokens_total", "specdec_queue_depth", "specdec_batch_size",
+                 "specdec_time_to_first_token_seconds_bucket", "specdec_time_per_output_token_seconds_bucket",
+                 "specdec_target_calls_per_token", "specdec_target_calls_total"):
+        assert name in text, name
+
+
+def test_completion_matches_the_library(server, gen):
+    from specdec.sampling import SamplingParams
+
+    out = server.client.completions.create(model=MODEL, prompt="hello world", max_tokens=20, temperature=0)
+    ids = gen.target.tokenizer("hello world")["input_ids"]
+    expected = gen.generate([ids], SamplingParams(0.0), 20, proposer="none")[0]
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == ("stop" if expected.finish_reason == "eos" else expected.finish_reason)
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == len(expected.token_ids)
+    spec = out.usage.model_extra["speculative"]
+    assert set(spec) >= {"accepted_per_call", "target_calls_per_token", "draft_share"}
+
+
+def test_chat_streaming_and_usage(server):
+    messages = [{"role": "system", "content": "be short"}, {"role": "user", "content": "say abc"}]
+    whole = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stream_ends_with_done(server):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": "xyz", "max_tokens": 8, "stream": True, "temperature": 0}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_n_choices_and_stop(server):
+    out = server.client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=1.0, seed=3, n=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    again = server.client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=1.0, seed=3, n=3)
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]
+    plain = server.client.completions.create(model=MODEL, prompt="abc", max_tokens=30, temperature=0).choices[0].text
+    if len(plain) > 6:
+        cut = server.client.completions.create(model=MODEL, prompt="abc", max_tokens=30, temperature=0, stop=[plain[4:6]])
+        assert cut.choices[0].text == plain[: plain.index(plain[4:6])]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"model": "gpt-4"}, "model"),
+    ({"temperature": 500}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 1000}, "max_tokens"),  # prompt + max_tokens > --max-model-len
+    ({"logprobs": 2}, "logprobs"),
+    ({"n": 0}, "n"),
+    ({"seed": -1}, "seed"),
+])
+def test_bad_input_is_an_openai_400(server, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client.completions.create(**{"model": MODEL, "prompt": "abc", "max_tokens": 4, **kwargs})
+    assert info.value.status_code == 400
+    error = info.value.body
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_long_prompt_is_a_400_naming_the_limit(server):
+    with pytest.raises(openai.BadRequestError, match="exceeds"):
+        server.client.completions.create(model=MODEL, prompt="a" * 300, max_tokens=4)
+
+
+def _requests(n: int, seed: int) -> list[dict]:
+    """Mixed lengths and parameters: greedy, seeded sampling with top-k / top-p / min-p, stops."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 40)))
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": rng.randint(1, 48)}
+        kind = i % 4
+        if kind == 0:
+            body["temperature"] = 0
+        else:
+            body |= {"temperature": rng.choice([0.6, 1.0, 1.3]), "seed": rng.randint(0, 2**40)}
+            if kind == 2:
+                body |= {"top_k": rng.randint(2, 20), "top_p": 0.9}
+            if kind == 3:
+                body |= {"min_p": 0.05, "stop": [rng.choice("abc")]}
+        out.append(body)
+    return out
+
+
+def _stream(url: str, body: dict) -> tuple[str, str | None]:
+    text, finish = "", None
+    with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line or line == "data: [DONE]":
+                continue
+            choice = json.loads(line.removeprefix("data: "))["choices"][0]
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+    return text, finish
+
+
+def _rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_load_64_concurrent_streams_equal_solo_runs(server):
+    """Target: 64 concurrent streams, 0 lost, 0 mixed up, 100% identical to the same request run
+    alone (greedy and seeded), RSS growth < 300 MB after the first wave. Power: with the seeds
+    ignored (rejection sampling from the server's shared stream) this test fails (checked by
+    hand: 47 of the 64 answers then differ from their solo runs; the 16 greedy ones do not)."""
+    bodies = _requests(64, seed=1)
+    with ThreadPoolExecutor(64) as pool:
+        first = list(pool.map(lambda b: _stream(server.url, b), bodies))
+    rss_after_first = _rss_mb()
+    with ThreadPoolExecutor(64) as pool:
+        second = list(pool.map(lambda b: _stream(server.url, b), _requests(64, seed=2)))
+    growth = _rss_mb() - rss_after_first
+    solo = [_stream(server.url, b) for b in bodies]  # one at a time: each request alone in the batch
+    assert all(f is not None for _, f in first + second)  # nothing lost or hung
+    mismatched = [i for i, (a, b) in enumerate(zip(first, solo)) if a != b]
+    assert not mismatched, f"{len(mismatched)} of 64 answers differ from their solo run: {mismatched[:5]}"
+    assert growth < 300, f"RSS grew by {growth:.0f} MB after the first wave"
+    health = httpx.get(server.url + "/health", timeout=10).json()
+    assert health["batch"] == 0 and health["waiting"] == 0
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    reached = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("specdec_draft_reached_total"))
+    assert reached > 100  # the rows really speculated (the identity above is not plain decoding's)
+
+
+def test_cancelled_stream_frees_its_row(server):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 200, "temperature": 1.0, "seed": 1, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 2:
+                break  # the client goes away mid-stream
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        if httpx.get(server.url + "/health", timeout=10).json()["batch"] == 0:
+            break
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/health", timeout=10).json()["batch"] == 0
+    assert 'specdec_requests_total{finish_reason="cancelled"}' in httpx.get(server.url + "/metrics", timeout=10).text
+
+
+def test_full_queue_answers_429_with_retry_after(gen):
+    s = Server(gen, ServeConfig(proposer=None, k=0, max_batch=1, max_queue=1, max_model_len=256))
+    try:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 150, "temperature": 0}
+        with ThreadPoolExecutor(6) as pool:
+            responses = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=120), range(6)))
+        codes = sorted(r.status_code for r in responses)
+        assert 200 in codes and 429 in codes, codes
+        busy = next(r for r in responses if r.status_code == 429)
+        assert busy.headers["retry-after"] and busy.json()["error"]["code"] == "queue_full"
+    finally:
+        s.stop()

@@ -103,10 +103,7 @@ class Bench:
         return self._hf
 
     def encode(self, prompt) -> list[int]:
-        tok = self.gen.target.tokenizer
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False)["input_ids"]
+        return self.gen.encode_chat(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
 
     def run(self, method: str, prompt_ids: list[int], temperature: float, seed: int) -> dict:
         if method.startswith("llamacpp_"):

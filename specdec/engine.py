@@ -33,10 +33,10 @@ from specdec.adaptive import AdaptiveK, TreeBudget
 from specdec.metrics import GenerationMetrics, Timings
 from specdec.proposers.base import Proposal, Proposer
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingParams, probs_per_row
-from specdec.reproducible import PositionUniforms, merge, verify_chain_at, verify_tree_at
-from specdec.tree import TreeVerification, ancestor_mask, verify_tree
-from specdec.verify import ChainVerification, verify_chain
+from specdec.sampling import SamplingParams, probs_per_row, sample_at
+from specdec.reproducible import PositionUniforms, put_rows, verify_chain_drawn, verify_tree_drawn
+from specdec.tree import TreeVerification, ancestor_mask, verify_tree_unchecked
+from specdec.verify import ChainVerification, verify_chain_unchecked
 
 MAX_SEED = 2**63 - 2  # the draft's generator gets seed + 1: both must fit a signed 64-bit integer
 
@@ -56,13 +56,6 @@ class RowResult:
 # A stop checker gets (row, generated ids so far) and returns the number of ids to keep if a stop
 # string has appeared, else None.
 StopChecker = Callable[[int, list[int]], "int | None"]
-
-
-def _probs(logits: torch.Tensor, params: list[SamplingParams], who: str) -> torch.Tensor:
-    """``logits`` ``[B, T, V]`` -> processed probabilities, each row with its own parameters."""
-    if not torch.isfinite(logits).all():
-        raise ValueError(f"the {who} model produced non-finite logits")
-    return probs_per_row(logits, params)
 
 
 def commit_tokens(res: RowResult, ids: list[int], eos_token_ids, max_new_tokens: int,
@@ -197,7 +190,8 @@ class Engine:
 
     def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
                  k_max: int = 8, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
-                 max_batch: int | None = None, verifier: Callable[..., ChainVerification] = verify_chain) -> None:
+                 max_batch: int | None = None,
+                 verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None
         if k == "auto":
             self.controllers, k = {}, k_max
@@ -307,8 +301,7 @@ class Engine:
             self.cache.set_lengths(len(self.rows), rows.lengths)
         self.metrics.target_calls += 1
         with self.timer.phase("verification"):
-            none = Proposal(torch.zeros(len(joining), 0, dtype=torch.long), None)
-            first = self._verify(joining, _probs(logits, params, "target"), none)
+            first = self._verify(joining, logits, Proposal(torch.zeros(len(joining), 0, dtype=torch.long), None))
         if self.proposer is not None:
             with self.timer.phase("draft"):
                 self.proposer.add(prompts, params, self.g_draft, target_hidden=hidden)
@@ -334,8 +327,7 @@ class Engine:
             logits, hidden = score(self.target, self.cache, self.last, proposal, self.want_hidden)
         self.metrics.target_calls += 1
         with self.timer.phase("verification"):
-            probs = _probs(logits, [r.request.params for r in self.rows], "target")  # [B, k+1, V]
-            result = self._verify(self.rows, probs, proposal)
+            result = self._verify(self.rows, logits, proposal)
         with self.timer.phase("cache"):
             self.last, hidden = commit_kv(self.cache, before, result, hidden)
         if self.proposer is not None:
@@ -380,28 +372,50 @@ class Engine:
                     proposal = proposal.prune(controller.nodes(proposal))
         return proposal
 
-    def _verify(self, rows: list[RowState], probs: torch.Tensor, proposal: Proposal):
-        """Rejection sampling from the engine's stream for rows without a seed; reproducible
-        sampling (each row's uniforms at its output positions) for rows with one."""
-        fixed = [r.uniforms is not None for r in rows]
+    def _verify(self, rows: list[RowState], logits: torch.Tensor, proposal: Proposal):
+        """``logits`` ``[B, k+1, V]`` (a tree: ``[B, N+1, V]``) -> the committed tokens. Three
+        kinds of rows: greedy ones commit the target's argmax (a one-hot ``p``: no probabilities
+        needed, and rejection sampling would commit the same tokens); rows with a seed commit
+        the target's inverse-CDF draws at their own uniforms (:mod:`specdec.reproducible`); the
+        others go through rejection sampling from the engine's stream (the best acceptance of
+        sampled drafts)."""
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError("the target model produced non-finite logits")
+        batch = len(rows)
+        kinds = [0 if r.request.params.greedy else 1 if r.uniforms is not None else 2 for r in rows]
+        other = [i for i, kind in enumerate(kinds) if kind == 2]
         rejection = None
-        if not all(fixed):
+        if other:
+            whole = len(other) == batch
+            part = proposal if whole else proposal.rows(torch.tensor(other))
+            probs = probs_per_row(logits if whole else logits[other], [rows[i].request.params for i in other])
             if proposal.is_tree:
-                rejection = verify_tree(probs, proposal.probs, proposal.tokens, proposal.parents, self.g_verify,
-                                        without_replacement=proposal.without_replacement)
+                rejection = verify_tree_unchecked(probs, part.probs, part.tokens, part.parents, self.g_verify,
+                                                  without_replacement=part.without_replacement)
             else:
-                rejection = self.verifier(probs, proposal.probs, proposal.tokens, self.g_verify)
-            if not any(fixed):
+                rejection = self.verifier(probs, part.probs, part.tokens, self.g_verify)
+            if whole:
                 return rejection
-        depths = proposal.node_depths if proposal.is_tree else None
-        width = (int(depths.max()) if proposal.size else 0) + 1 if proposal.is_tree else proposal.size + 1
-        u = torch.stack([r.uniforms.take(len(r.token_ids), width) if r.uniforms is not None
-                         else torch.zeros(width, dtype=torch.float64) for r in rows])  # [B, width]
+        drawn = torch.zeros(logits.shape[:2], dtype=torch.long)  # [B, k+1]: the target's token at each slot
+        greedy = [i for i, kind in enumerate(kinds) if kind == 0]
+        if greedy:
+            drawn[greedy] = logits[greedy].argmax(-1)
+        seeded = [i for i, kind in enumerate(kinds) if kind == 1]
+        if seeded:
+            depth = proposal.node_depths[seeded] if proposal.is_tree else None
+            width = (int(depth.max()) if proposal.size else 0) + 1 if proposal.is_tree else proposal.size + 1
+            u = torch.stack([rows[i].uniforms.take(len(rows[i].token_ids), width) for i in seeded])  # [S, width]
+            if proposal.is_tree:  # every slot at depth d draws with u_d (siblings share their position)
+                u = u.gather(1, torch.cat([torch.zeros(len(seeded), 1, dtype=torch.long), depth], 1))
+            probs = probs_per_row(logits[seeded], [rows[i].request.params for i in seeded])
+            drawn[seeded] = sample_at(probs, u)
         if proposal.is_tree:
-            reproducible = verify_tree_at(probs, proposal.tokens, proposal.parents, depths, u)
+            result = verify_tree_drawn(drawn, proposal.tokens, proposal.parents, proposal.node_depths)
         else:
-            reproducible = verify_chain_at(probs, proposal.tokens, u)
-        return reproducible if rejection is None else merge(torch.tensor(fixed), reproducible, rejection)
+            result = verify_chain_drawn(drawn, proposal.tokens)
+        if rejection is not None:
+            put_rows(result, torch.tensor(other), rejection)
+        return result
 
     def _record(self, proposal: Proposal, result) -> None:
         """Per-row acceptance bookkeeping (one tolist per quantity, no per-row tensor ops) and
@@ -439,7 +453,7 @@ def generate(
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
     stop_checker: StopChecker | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
-    verifier: Callable[..., ChainVerification] = verify_chain,
+    verifier: Callable[..., ChainVerification] = verify_chain_unchecked,
 ) -> list[RowResult]:
     """Generate up to ``max_new_tokens`` per prompt, all rows joining at once; exact target
     sampling whatever the proposer. A thin loop over :class:`Engine`.

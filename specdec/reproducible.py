@@ -17,6 +17,9 @@ distribution ``p`` at ``t``) — exactly what plain decoding with that generator
   without a matching draft commits ``F_p^{-1}(u)`` itself (the replacement, or the bonus).
 * Hence the committed tokens do not depend on the drafts, ``k``, the tree, the batch or the
   timing: a seeded request's answer equals plain decoding with the same seed, token for token.
+* Greedy rows are the limit case: ``p`` is one-hot, the draw is the argmax whatever ``u``, and
+  rejection sampling would commit the same tokens; the engine verifies them this way without
+  computing probabilities at all (:func:`verify_chain_drawn` with the argmax).
 * Cost: a draft is accepted with probability ``P(F_p^{-1}(u) = d)``. For a deterministic draft
   that is ``p(d)``, the same as rejection sampling. For a draft sampled from ``q`` with its own
   randomness it is ``sum_x p(x) q(x)``, below rejection sampling's ``sum_x min(p, q)``: seeded
@@ -31,7 +34,7 @@ from specdec.sampling import sample_at
 from specdec.tree import TreeVerification
 from specdec.verify import ChainVerification
 
-__all__ = ["PositionUniforms", "merge", "verify_chain_at", "verify_tree_at"]
+__all__ = ["PositionUniforms", "put_rows", "verify_chain_at", "verify_chain_drawn", "verify_tree_at", "verify_tree_drawn"]
 
 
 class PositionUniforms:
@@ -55,12 +58,17 @@ def verify_chain_at(target_probs: torch.Tensor, draft_tokens: torch.Tensor, unif
     """``target_probs`` ``[B, k+1, V]``, ``draft_tokens`` ``[B, k]``, ``uniforms`` ``[B, k+1]``
     (the rows' uniforms at the block's k+1 output positions) -> the committed tokens: the drafts
     up to the first one that differs from the target's own draw, then that draw."""
-    batch, k_plus_1, _ = target_probs.shape
-    k = k_plus_1 - 1
-    drawn = sample_at(target_probs, uniforms)  # [B, k+1]: F_p^{-1}(u) at every position
+    return verify_chain_drawn(sample_at(target_probs, uniforms), draft_tokens)
+
+
+def verify_chain_drawn(drawn: torch.Tensor, draft_tokens: torch.Tensor) -> ChainVerification:
+    """The same, from the target's draws ``[B, k+1]`` at each position: ``F_p^{-1}(u)``, or for a
+    greedy row the argmax (the only token a one-hot ``p`` can give: greedy rows need no
+    probabilities at all, and rejection sampling would commit the same tokens)."""
+    k = draft_tokens.shape[1]
     match = drawn[:, :k] == draft_tokens  # [B, k]
     num_accepted = match.long().cumprod(-1).sum(-1)  # [B]
-    positions = torch.arange(k_plus_1).unsqueeze(0)  # [1, k+1]
+    positions = torch.arange(k + 1).unsqueeze(0)  # [1, k+1]
     tokens = torch.where(positions <= num_accepted.unsqueeze(1), drawn, -1)  # accepted drafts == drawn
     return ChainVerification(num_accepted=num_accepted, tokens=tokens)
 
@@ -69,12 +77,17 @@ def verify_tree_at(target_probs: torch.Tensor, tokens: torch.Tensor, parents: to
                    uniforms: torch.Tensor) -> TreeVerification:
     """``target_probs`` ``[B, N+1, V]`` (slot 0: the root), ``tokens`` / ``parents`` / ``depths``
     ``[B, N]`` (padding: token -1), ``uniforms`` ``[B, D+1]`` with ``D`` the deepest node: every
-    slot at depth ``d`` draws with ``u_d`` (siblings share their position). Walk down from the
-    root, each time to a child whose token equals the current slot's draw."""
+    slot at depth ``d`` draws with ``u_d`` (siblings share their position)."""
+    slot_depth = torch.cat([torch.zeros(tokens.shape[0], 1, dtype=torch.long), depths], 1)  # [B, N+1]
+    return verify_tree_drawn(sample_at(target_probs, uniforms.gather(1, slot_depth)), tokens, parents, depths)
+
+
+def verify_tree_drawn(drawn: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                      depths: torch.Tensor) -> TreeVerification:
+    """From the target's draw at every slot ``[B, N+1]``: walk down from the root, each time to
+    a child whose token equals the current slot's draw; commit the draw where none does."""
     batch, n = tokens.shape
     max_depth = int(depths.max()) if n else 0
-    slot_depth = torch.cat([torch.zeros(batch, 1, dtype=torch.long), depths], 1)  # [B, N+1]
-    drawn = sample_at(target_probs, uniforms.gather(1, slot_depth))  # [B, N+1]
     rows = torch.arange(batch)
     node = torch.full((batch,), -1, dtype=torch.long)  # current node (-1: the root)
     walking = torch.ones(batch, dtype=torch.bool)
@@ -98,14 +111,12 @@ def verify_tree_at(target_probs: torch.Tensor, tokens: torch.Tensor, parents: to
     return TreeVerification(num_accepted=num_accepted, tokens=out, path=path)
 
 
-def merge(use_first: torch.Tensor, first, second):
-    """Row-wise choice between two verifications of the same proposal (``use_first`` ``[B]``
-    bool): rows with reproducible sampling take this module's result, the others rejection
-    sampling's. Both have the same shapes (the same proposal)."""
-    def pick(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.where(use_first.view(-1, *([1] * (a.dim() - 1))), a, b)
-
-    if isinstance(first, TreeVerification):
-        return TreeVerification(pick(first.num_accepted, second.num_accepted), pick(first.tokens, second.tokens),
-                                pick(first.path, second.path))
-    return ChainVerification(pick(first.num_accepted, second.num_accepted), pick(first.tokens, second.tokens))
+def put_rows(into, rows: torch.Tensor, part) -> None:
+    """Write a verification of a subset of the rows (``rows`` ``[R]``) into one of the whole
+    batch, in place. A subset's tree may be shallower than the batch's: the rest stays -1."""
+    into.num_accepted[rows] = part.num_accepted
+    into.tokens[rows] = -1
+    into.tokens[rows, : part.tokens.shape[1]] = part.tokens
+    if isinstance(into, TreeVerification):
+        into.path[rows] = -1
+        into.path[rows, : part.path.shape[1]] = part.path

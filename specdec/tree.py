@@ -39,7 +39,7 @@ import torch
 from specdec.sampling import sample
 from specdec.verify import acceptance_probability, check_probs, residual_distribution
 
-__all__ = ["TreeVerification", "ancestor_mask", "children_table", "depths", "verify_tree"]
+__all__ = ["TreeVerification", "ancestor_mask", "children_table", "depths", "verify_tree", "verify_tree_unchecked"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,21 @@ def verify_tree(
     siblings without replacement (distinct tokens); then ``q`` is updated after each rejection.
     """
     _validate(target_probs, draft_probs, tokens, parents)
+    return verify_tree_unchecked(target_probs, draft_probs, tokens, parents, generator,
+                                 without_replacement=without_replacement, residual_tolerance=residual_tolerance)
+
+
+def verify_tree_unchecked(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    without_replacement: bool = False,
+    residual_tolerance: float = 1e-6,
+) -> TreeVerification:
+    """:func:`verify_tree` without the O(B N V) validation, for inputs the engine produced."""
     batch, n = tokens.shape
     dtype = torch.promote_types(target_probs.dtype, torch.float32)
     if draft_probs is not None:

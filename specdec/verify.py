@@ -29,7 +29,8 @@ import torch
 
 from specdec.sampling import sample
 
-__all__ = ["ChainVerification", "acceptance_probability", "check_probs", "residual_distribution", "verify_chain"]
+__all__ = ["ChainVerification", "acceptance_probability", "check_probs", "residual_distribution", "verify_chain",
+           "verify_chain_unchecked"]
 
 
 def _sum_tolerance(dtype: torch.dtype) -> float:
@@ -143,26 +144,39 @@ def verify_chain(
     draft_tokens: ``[B, k]`` long. ``k = 0`` is valid: one token is sampled from ``p_1``.
     generator: the explicit source of randomness: k uniforms per row for the accept tests, then
         one uniform per row for the replacement/bonus draw (inverse CDF).
+
+    Every input is validated (shapes, ids, finite rows summing to 1); the engine, which produced
+    them itself, calls :func:`verify_chain_unchecked` (the same result without the O(B k V) checks).
     """
     _validate(target_probs, draft_probs, draft_tokens)
+    return verify_chain_unchecked(target_probs, draft_probs, draft_tokens, generator,
+                                  residual_tolerance=residual_tolerance)
+
+
+def verify_chain_unchecked(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    residual_tolerance: float = 1e-6,
+) -> ChainVerification:
+    """:func:`verify_chain` for inputs known to be valid. Only the ``[B, V]`` rows it needs are
+    materialised: ``p`` and ``q`` at the drafted tokens, and at each row's first rejected (or
+    bonus) position."""
     batch, k_plus_1, vocab = target_probs.shape
     k = k_plus_1 - 1
     dtype = torch.promote_types(target_probs.dtype, torch.float32)
     if draft_probs is not None:
         dtype = torch.promote_types(dtype, draft_probs.dtype)
-    p = target_probs.to(dtype)  # [B, k+1, V]
-    device = p.device
-
-    # q extended with an all-zero row at position k+1: the residual there is p itself (the bonus).
-    q_ext = torch.zeros_like(p)  # [B, k+1, V]
-    if draft_probs is not None:
-        q_ext[:, :k] = draft_probs.to(dtype)
-    else:
-        q_ext[:, :k].scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
+    device = target_probs.device
 
     tok = draft_tokens.unsqueeze(-1)  # [B, k, 1]
-    p_y = p[:, :k].gather(-1, tok).squeeze(-1)  # [B, k]
-    q_y = q_ext[:, :k].gather(-1, tok).squeeze(-1)  # [B, k]
+    p_y = target_probs[:, :k].gather(-1, tok).squeeze(-1).to(dtype)  # [B, k]
+    if draft_probs is not None:
+        q_y = draft_probs.gather(-1, tok).squeeze(-1).to(dtype)  # [B, k]
+    else:
+        q_y = torch.ones(batch, k, dtype=dtype, device=device)
     if (q_y <= 0).any():
         raise ValueError("a draft token has zero probability under draft_probs: it cannot have been sampled from them")
     accept_prob = acceptance_probability(p_y, q_y)  # [B, k]
@@ -171,10 +185,18 @@ def verify_chain(
     accepted = uniforms < accept_prob  # strict: a token with p(y) = 0 is never accepted
     num_accepted = accepted.to(torch.long).cumprod(-1).sum(-1)  # [B]
 
-    # Residual at the first rejected position (or the bonus position when all were accepted).
+    # Residual at the first rejected position; at the bonus position (all accepted) q = 0 and
+    # the residual is p itself.
     rows = torch.arange(batch, device=device)
-    p_n = p[rows, num_accepted]  # [B, V]
-    q_n = q_ext[rows, num_accepted]  # [B, V]
+    p_n = target_probs[rows, num_accepted].to(dtype)  # [B, V]
+    q_n = torch.zeros_like(p_n)  # [B, V]
+    rejected = num_accepted < k  # [B]
+    if bool(rejected.any()):
+        r, n = rows[rejected], num_accepted[rejected]
+        if draft_probs is not None:
+            q_n[r] = draft_probs[r, n].to(dtype)
+        else:
+            q_n[r, draft_tokens[r, n]] = 1.0
     residual = residual_distribution(p_n, q_n, residual_tolerance)  # [B, V]
     last = sample(residual, generator)  # [B]
 

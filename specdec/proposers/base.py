@@ -51,6 +51,13 @@ class Proposal:
 
         return depths(self.parents, self.tokens)
 
+    def rows(self, index: torch.Tensor) -> "Proposal":
+        """The proposal of the rows ``index`` ``[R]`` only."""
+        def pick(t):
+            return None if t is None else t[index]
+
+        return Proposal(self.tokens[index], pick(self.probs), pick(self.parents), pick(self.scores), self.without_replacement)
+
     def cut_depth(self, max_depth: int) -> "Proposal":
         """This tree without the nodes deeper than ``max_depth`` (they become padding)."""
         deep = self.node_depths > max_depth  # [B, N]

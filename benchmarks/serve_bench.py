@@ -5,8 +5,9 @@ by default, "none" = plain decoding) and each concurrency level (``--clients``),
 clients each send ``--requests`` streaming chat requests one after another (the bench's
 workload prompts, all categories, greedy), and we record per request the time to first token,
 the end-to-end latency and the completion tokens (from the final usage chunk). Aggregate
-throughput = all completion tokens / wall time of the level. The server runs in this process
-on loopback; the same loaded model serves every configuration.
+throughput = all completion tokens / wall time of the level. Each configuration runs as its own
+`specdec serve` process on loopback, as a user would start it (the clients, in this process,
+share the machine's 2 cores with it); where the engine's time went comes from its /metrics.
 
 Every (method, clients) result is appended to ``runs.jsonl`` in ``--out`` as soon as it is
 measured and skipped on a rerun (resumable); ``report.md`` is written at the end.
@@ -20,30 +21,51 @@ import argparse
 import json
 import socket
 import statistics
-import threading
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import uvicorn
 from tqdm import tqdm
 
-from specdec.api import TextGenerator, resolve_proposer
 from specdec.bench.suite import load_workloads
 from specdec.models import registry
-from specdec.server import ServeConfig, create_app
 
 
-def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+def start_server(args, method: str) -> tuple[subprocess.Popen, str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    port = sock.getsockname()[1]
+    sock.close()
+    cmd = [sys.executable, "-m", "specdec", "serve", "--target", args.target, "--dtype", args.dtype, "--port", str(port),
+           *([] if method == "default" else ["--proposer", method]), "--max-batch", str(args.max_batch), "--max-model-len", "1024",
+           "--served-model-name", "bench"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"`{' '.join(cmd)}` exited with status {server.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            server.kill()
+            raise TimeoutError("the server did not start")
+        time.sleep(0.5)
+
+
+def engine_seconds(url: str) -> dict[str, float]:
+    """The engine's time by phase so far, from the server's Prometheus metrics."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("specdec_engine_seconds_total{"):
+            out[line.split('phase="')[1].split('"')[0]] = float(line.split()[-1])
+    return out
 
 
 def one_request(url: str, messages: list[dict], max_tokens: int) -> dict:
@@ -71,17 +93,20 @@ def run_level(url: str, prompts: list, clients: int, requests: int, max_tokens: 
     def client(mine):
         return [one_request(url, m, max_tokens) for m in mine]
 
+    before = engine_seconds(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = [r for rs in pool.map(client, jobs) for r in rs]
     wall = time.perf_counter() - start
+    engine_s = {k: round(v - before.get(k, 0.0), 2) for k, v in engine_seconds(url).items()}
     tokens = sum(r["tokens"] for r in results)
     return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
             "throughput_tok_s": tokens / wall,
             "median_ttft_s": statistics.median(r["ttft_s"] for r in results),
             "median_latency_s": statistics.median(r["latency_s"] for r in results),
             "median_request_tok_s": statistics.median(r["tokens"] / r["latency_s"] for r in results),
-            "median_accepted_per_call": statistics.median(r["accepted_per_call"] for r in results)}
+            "median_accepted_per_call": statistics.median(r["accepted_per_call"] for r in results),
+            "engine_time_s": engine_s}  # where the engine's time went during the level
 
 
 def report(runs: list[dict]) -> str:
@@ -103,7 +128,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=registry.DEFAULT_TARGET)
     ap.add_argument("--dtype", default="q4")
-    ap.add_argument("--methods", default="none,default", help="comma-separated: none, default or a proposer name")
+    ap.add_argument("--methods", default="none,default",
+                    help="comma-separated: none, default (what `specdec serve` uses: hybrid over the head) or a proposer name")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client, sent one after another")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -116,27 +142,26 @@ def main() -> None:
     done = {(r["method"], r["clients"]) for r in runs}
     prompts = [p if isinstance(p, list) else [{"role": "user", "content": p}]
                for cat in load_workloads().values() for p in cat["prompts"]]
-    gen = TextGenerator.load(args.target, dtype=args.dtype)
     todo = [(m, int(c)) for m in args.methods.split(",") for c in args.clients.split(",") if (m, int(c)) not in done]
     bar = tqdm(todo, desc="serve bench", unit="level")
     for method in dict.fromkeys(m for m, _ in todo):
-        proposer = None if method == "none" else resolve_proposer(None if method == "default" else method,
-                                                                  draft=False, head=gen.head_path is not None)
-        config = ServeConfig(proposer=proposer, k="auto" if proposer else 0, max_batch=args.max_batch, max_model_len=1024)
-        server, thread, url = start_server(create_app(gen, config, "bench"))
-        one_request(url, prompts[0], 8)  # warm-up
-        for m, clients in todo:
-            if m != method:
-                continue
-            bar.set_postfix(method=method, clients=clients)
-            record = {"method": method, "proposer": proposer, "max_tokens": args.max_tokens, "dtype": args.dtype,
-                      **run_level(url, prompts, clients, args.requests if clients > 1 else 2 * args.requests, args.max_tokens)}
-            with log.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            runs.append(record)
-            bar.update()
-        server.should_exit = True
-        thread.join()
+        server, url = start_server(args, method)
+        try:
+            one_request(url, prompts[0], 8)  # warm-up
+            for m, clients in todo:
+                if m != method:
+                    continue
+                bar.set_postfix(method=method, clients=clients)
+                record = {"method": method, "max_tokens": args.max_tokens, "dtype": args.dtype,
+                          **run_level(url, prompts, clients, args.requests if clients > 1 else 2 * args.requests,
+                                      args.max_tokens)}
+                with log.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                runs.append(record)
+                bar.update()
+        finally:
+            server.terminate()
+            server.wait(60)
     text = report(runs)
     (args.out / "report.md").write_text(text + "\n")
     print(text)

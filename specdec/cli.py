@@ -187,8 +187,6 @@ def _run_train_head(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from specdec.models import registry
-
     p = sub.add_parser(
         "generate",
         help="generate text with exact speculative decoding (on by default; --proposer none: plain)",

@@ -244,3 +244,47 @@ def test_full_queue_answers_429_with_retry_after(gen):
         assert busy.headers["retry-after"] and busy.json()["error"]["code"] == "queue_full"
     finally:
         s.stop()
+
+
+def test_specdec_serve_command_answers_and_shuts_down_gracefully(gen, tmp_path):
+    """`specdec serve` as a user starts it (engine in the main thread, HTTP in another): a
+    streaming request in flight when SIGTERM arrives still completes, then the process exits 0."""
+    import signal
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    model = str(gen.target.source_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--target", model, "--dtype", "int8", "--port",
+                             str(port), "--proposer", "ngram", "--served-model-name", MODEL, "--max-model-len", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "specdec serve did not start"
+            time.sleep(0.2)
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 300, "temperature": 0, "stream": True}
+        text, finish = "", None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for i, line in enumerate(r.iter_lines()):
+                if i == 1:
+                    proc.send_signal(signal.SIGTERM)  # mid-stream: the request is drained, not dropped
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    finish = choice["finish_reason"] or finish
+        assert finish in ("stop", "length")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -124,16 +124,17 @@ class KVCache:
 
     def retain(self, order: list[int]) -> None:
         """Keep the rows ``order`` (current positions), in that order, compacting in place. When
-        every moved row comes from past the new batch size (finished rows' places filled from
-        the end), only those rows' written slots are copied; otherwise the kept rows are gathered."""
+        ``order`` is increasing (rows that leave, the others keeping their order) each moved row
+        goes to a lower index and only its written slots are copied, in ascending order: a row is
+        read before any write reaches its index. Otherwise the kept rows are gathered."""
         n = len(order)
-        moves = [(j, s) for j, s in enumerate(order) if s != j]
-        if all(s >= n for _, s in moves):
-            for j, s in moves:
-                used = int(self.lengths[s])
-                self._k[:, j, :, :used] = self._k[:, s, :, :used]
-                self._v[:, j, :, :used] = self._v[:, s, :, :used]
-        elif moves:
+        if all(a < b for a, b in zip(order, order[1:])):
+            for j, s in enumerate(order):
+                if s != j:
+                    used = int(self.lengths[s])
+                    self._k[:, j, :, :used] = self._k[:, s, :, :used]
+                    self._v[:, j, :, :used] = self._v[:, s, :, :used]
+        else:
             index = torch.as_tensor(order, dtype=torch.long)
             self._k[:, :n] = self._k[:, index]
             self._v[:, :n] = self._v[:, index]

@@ -1,256 +1,25 @@
-"""An OpenAI-compatible HTTP server over one :class:`~specdec.engine.Engine` (continuous batching).
-
-Threads: the asyncio event loop (uvicorn, FastAPI) parses requests and streams answers; ONE
-worker thread owns the engine and runs its steps. They meet in :class:`Scheduler`: handlers put
-jobs in an inbox (or refuse them when the queue is full) and read their events from an asyncio
-queue that the worker fills with ``call_soon_threadsafe``. A client that goes away cancels its
-jobs; the worker takes them out of the batch before its next step, freeing their cache rows.
-
-What a request gets back does not depend on the others: the runtime is batch invariant (greedy
-answers are those of the request run alone) and a request with a ``seed`` is sampled
-reproducibly from its own generator (:mod:`specdec.reproducible`).
-"""
+"""The FastAPI application: OpenAI's request and response formats around the scheduler."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
-from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.api import TextGenerator, TextStream
-from specdec.engine import MAX_SEED, Engine, Request, RowState, check_stop
+from specdec.engine import MAX_SEED, Request
 from specdec.sampling import SamplingParams
-
-# What a finished row's reason is called in the OpenAI format.
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
-
-
-@dataclass
-class ServeConfig:
-    """How the server decodes. ``proposer``: a name from :data:`specdec.proposers.PROPOSERS`
-    already resolved (None: plain decoding). ``max_batch``: rows decoded together;
-    ``max_queue``: requests waiting for a row before new ones get 429; ``max_model_len``: prompt
-    + max_tokens per request (sizes each row's KV cache)."""
-
-    proposer: str | None = None
-    k: int | str = "auto"
-    k_max: int = 8
-    ngram: tuple[int, int] = (2, 4)
-    exit_layer: int | None = None
-    max_batch: int = 16
-    max_queue: int = 64
-    max_model_len: int = 2048
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue", "max_model_len", "k_max"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-class QueueFull(Exception):
-    pass
-
-
-@dataclass
-class Job:
-    """One choice of one HTTP request, as the worker sees it."""
-
-    index: int
-    request: Request
-    text: TextStream
-    stop: list[str]
-    events: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    row: RowState | None = None
-    n_choices: int = 1  # choices per prompt in its HTTP request
-    seen: int = 0  # ids already checked for stop strings
-    first_token_at: float | None = None
-    cancelled: bool = False
-
-
-class ServerMetrics:
-    """Prometheus metrics of one server (its own registry, so tests can run several)."""
-
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("specdec_requests", "Finished choices by finish reason", ["finish_reason"], registry=r)
-        self.rejected = Counter("specdec_rejected_requests", "Requests refused (queue full or invalid)", ["reason"], registry=r)
-        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.generated = Counter("specdec_generated_tokens", "Tokens generated", registry=r)
-        self.target_calls = Counter("specdec_target_calls", "Target forward calls (prefill and verification)", registry=r)
-        self.queue = Gauge("specdec_queue_depth", "Requests waiting for a batch row", registry=r)
-        self.batch = Gauge("specdec_batch_size", "Rows decoded in the last step", registry=r)
-        self.calls_per_token = Gauge("specdec_target_calls_per_token", "Target calls per generated token so far", registry=r)
-        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-        self.ttft = Histogram("specdec_time_to_first_token_seconds", "From arrival to first token", buckets=buckets, registry=r)
-        self.tpot = Histogram("specdec_time_per_output_token_seconds", "Mean time per token after the first",
-                              buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56), registry=r)
-        self.reached = Counter("specdec_draft_reached", "Verifications that reached each draft position", ["position"], registry=r)
-        self.accepted = Counter("specdec_draft_accepted", "Draft tokens accepted at each position", ["position"], registry=r)
-
-
-class Scheduler:
-    """Owns the engine and its worker thread."""
-
-    def __init__(self, gen: TextGenerator, config: ServeConfig, metrics: ServerMetrics) -> None:
-        self.gen, self.config, self.metrics = gen, config, metrics
-        capacity = config.max_model_len + max(config.k_max, config.k if isinstance(config.k, int) else 0) + 2
-        proposer = gen.make_proposer(config.proposer, capacity, config.ngram, config.exit_layer) if config.proposer else None
-        self.engine = Engine(gen.target.model, proposer, capacity=capacity, k=config.k if proposer else 0,
-                             k_max=config.k_max, eos_token_ids=gen.eos_token_ids, seed=config.seed,
-                             max_batch=config.max_batch)
-        self._lock = threading.Lock()
-        self._inbox: deque[Job] = deque()
-        self._cancels: deque[Job] = deque()
-        self._jobs: dict[int, Job] = {}  # id(row) -> job
-        self._wake = threading.Event()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
-        self._calls_seen = 0
-        self._tokens = 0  # generated tokens published so far
-
-    # -- the event-loop side ------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what is still running or waiting and stop the worker."""
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
-
-    def waiting(self) -> int:
-        return len(self._inbox) + len(self.engine.waiting)
-
-    def check(self, request: Request) -> None:
-        self.engine.check(request)  # reads configuration only: safe from any thread
-
-    def submit(self, jobs: list[Job]) -> None:
-        with self._lock:
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
-            if self.waiting() + len(jobs) > self.config.max_queue:
-                raise QueueFull(f"{self.waiting()} requests are waiting (max_queue {self.config.max_queue})")
-            self._inbox.extend(jobs)
-        self._wake.set()
-
-    def cancel(self, jobs: list[Job]) -> None:
-        with self._lock:
-            self._cancels.extend(j for j in jobs if not j.cancelled)
-        self._wake.set()
-
-    # -- the worker thread --------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                self._take_inbox()
-                if not self.engine.busy:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                changed = self.engine.step()
-                self._publish(changed)
-        except Exception as exc:  # a bug: fail every request loudly rather than hang them
-            for job in list(self._jobs.values()) + list(self._inbox):
-                self._emit(job, {"error": f"internal error: {type(exc).__name__}: {exc}"})
-            raise
-        finally:
-            for job in list(self._jobs.values()) + list(self._inbox):
-                self._emit(job, {"finish_reason": "cancelled", "text": ""})
-
-    def _take_inbox(self) -> None:
-        with self._lock:
-            new, self._inbox = list(self._inbox), deque()
-            cancels, self._cancels = list(self._cancels), deque()
-        for job in new:
-            job.row = self.engine.add(job.request)
-            self._jobs[id(job.row)] = job
-            self.metrics.prompt_tokens.inc(len(job.request.prompt))
-        for job in cancels:
-            job.cancelled = True
-            if job.row is not None and not job.row.done:
-                self.engine.cancel(job.row)
-                self._jobs.pop(id(job.row), None)
-                self.metrics.requests.labels("cancelled").inc()
-        self.metrics.queue.set(len(self.engine.waiting))
-
-    def _publish(self, changed: list[RowState]) -> None:
-        """Stop strings, text increments and final events of the rows that changed."""
-        m = self.metrics
-        calls = self.engine.metrics.target_calls
-        m.target_calls.inc(calls - self._calls_seen)
-        self._calls_seen = calls
-        m.batch.set(len(self.engine.rows))
-        now = time.perf_counter()
-        for row in changed:
-            job = self._jobs.get(id(row))
-            if job is None:  # cancelled in the meantime
-                continue
-            if job.first_token_at is None and row.token_ids:
-                job.first_token_at = now
-                m.ttft.observe(now - row.added_at)
-            if job.stop:
-                check_stop(self.engine, row, job.text.stop_at, job.seen)
-            else:
-                job.text.detok.update(row.token_ids)
-            m.generated.inc(len(row.token_ids) - job.seen)
-            self._tokens += len(row.token_ids) - job.seen
-            job.seen = len(row.token_ids)
-            text = job.text.release()
-            if not row.done:
-                if text:
-                    self._emit(job, {"text": text})
-                continue
-            del self._jobs[id(row)]
-            text += job.text.finish(self.gen.final_text(row.token_ids, job.stop))
-            self._emit(job, {"text": text, "finish_reason": _FINISH[row.finish_reason], "usage": self._usage(row)})
-            m.requests.labels(_FINISH[row.finish_reason]).inc()
-            n = len(row.token_ids)
-            if n > 1 and job.first_token_at is not None:
-                m.tpot.observe((now - job.first_token_at) / (n - 1))
-            acc = row.result.metrics.acceptance
-            for i, (reached, accepted) in enumerate(zip(acc.reached_at, acc.accepted_at)):
-                m.reached.labels(str(i)).inc(reached)
-                m.accepted.labels(str(i)).inc(accepted)
-        m.calls_per_token.set(calls / max(1, self._tokens))
-        m.queue.set(len(self.engine.waiting))
-
-    def _usage(self, row: RowState) -> dict:
-        metrics = row.result.metrics
-        acc = metrics.acceptance
-        n = len(row.token_ids)
-        return {"prompt_tokens": len(row.request.prompt), "completion_tokens": n,
-                "speculative": {  # an extension: this choice's own speculation, in the three metric classes
-                    "accepted_per_call": acc.accepted / acc.calls if acc.calls else 0.0,
-                    "acceptance_rate": acc.accepted / acc.drafted if acc.drafted else 0.0,
-                    "target_calls_per_token": metrics.target_calls / n if n else 0.0,
-                    "draft_share": acc.accepted / n if n else 0.0,  # share of tokens that were accepted drafts
-                    "time_to_first_token_s": metrics.timings.ttft,
-                    "total_s": metrics.timings.total}}
-
-    def _emit(self, job: Job, event: dict) -> None:
-        try:
-            job.loop.call_soon_threadsafe(job.events.put_nowait, (job.index, event))
-        except RuntimeError:  # the event loop is gone (shutdown)
-            pass
-
-
-# -- the HTTP side ----------------------------------------------------------------------------
+from specdec.server.metrics import ServerMetrics
+from specdec.server.scheduler import Job, QueueFull, Scheduler, ServeConfig
 
 
 class _Body(BaseModel):
@@ -330,8 +99,10 @@ def _stops(body: _Body) -> list[str]:
     return [s for s in stops if s]
 
 
-def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None = None) -> FastAPI:
-    """The FastAPI application (the scheduler starts and stops with it)."""
+def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None = None,
+               engine_thread: bool = True) -> FastAPI:
+    """The FastAPI application. ``engine_thread``: the scheduler runs in a thread that starts and
+    stops with the app; False: the caller runs ``app.state.scheduler.run()`` itself (:func:`serve`)."""
     name = model_name or gen.target.name
     metrics = ServerMetrics()
     scheduler = Scheduler(gen, config, metrics)
@@ -339,9 +110,11 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        scheduler.start()
+        if engine_thread:
+            scheduler.start()
         yield
-        scheduler.stop()
+        if engine_thread:
+            scheduler.stop()
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.scheduler = scheduler
@@ -534,10 +307,32 @@ def _prompt_tokens(jobs: list[Job]) -> int:
 
 
 def serve(gen: TextGenerator, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
-          model_name: str | None = None) -> None:
-    """Run the server until interrupted (Ctrl-C / SIGTERM: in-flight requests finish or are
-    cancelled after a grace period, then the engine stops)."""
+          model_name: str | None = None, grace_s: float = 30.0) -> None:
+    """Run the server until interrupted. Ctrl-C / SIGTERM: no new connections; in-flight
+    requests finish (or are cancelled after ``grace_s``), then the engine stops.
+
+    The engine runs in the main thread and HTTP in a second one: the main thread already owns
+    the OpenMP thread team that loaded the model, and a second team (the engine in a thread of
+    its own) makes libgomp throttle its spin-waits when threads outnumber cores — measured
+    25-30% slower steps on this 2-core machine."""
+    import signal
+    import threading
+
     import uvicorn
 
-    uvicorn.run(create_app(gen, config, model_name), host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=30)
+    app = create_app(gen, config, model_name, engine_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=grace_s))
+    http = threading.Thread(target=server.run, name="specdec-http", daemon=True)
+
+    def shutdown(*_) -> None:
+        if server.should_exit:
+            server.force_exit = True  # a second Ctrl-C: do not wait for the grace period
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    http.start()
+    app.state.scheduler.run(until=lambda: not http.is_alive())
+    http.join()
+    if not server.started:
+        raise OSError(f"could not serve on {host}:{port} (see the message above)")

@@ -1,0 +1,229 @@
+"""The engine's worker thread and the jobs handed to it.
+
+Threads: the asyncio event loop (uvicorn, FastAPI) parses requests and streams answers; ONE
+worker thread owns the engine and runs its steps. They meet in :class:`Scheduler`: handlers put
+jobs in an inbox (or refuse them when the queue is full) and read their events from an asyncio
+queue that the worker fills with ``call_soon_threadsafe``. A client that goes away cancels its
+jobs; the worker takes them out of the batch before its next step, freeing their cache rows.
+
+What a request gets back does not depend on the others: the runtime is batch invariant (greedy
+answers are those of the request run alone) and a request with a ``seed`` is sampled
+reproducibly from its own generator (:mod:`specdec.reproducible`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from specdec.api import TextGenerator, TextStream
+from specdec.engine import Engine, Request, RowState, check_stop
+from specdec.server.metrics import ServerMetrics
+
+# What a finished row's reason is called in the OpenAI format.
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
+
+
+@dataclass
+class ServeConfig:
+    """How the server decodes. ``proposer``: a name from :data:`specdec.proposers.PROPOSERS`
+    already resolved (None: plain decoding). ``max_batch``: rows decoded together;
+    ``max_queue``: requests waiting for a row before new ones get 429; ``max_model_len``: prompt
+    + max_tokens per request (sizes each row's KV cache)."""
+
+    proposer: str | None = None
+    k: int | str = "auto"
+    k_max: int = 8
+    ngram: tuple[int, int] = (2, 4)
+    exit_layer: int | None = None
+    max_batch: int = 16
+    max_queue: int = 64
+    max_model_len: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_queue", "max_model_len", "k_max"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    """One choice of one HTTP request, as the worker sees it."""
+
+    index: int
+    request: Request
+    text: TextStream
+    stop: list[str]
+    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    row: RowState | None = None
+    n_choices: int = 1  # choices per prompt in its HTTP request
+    seen: int = 0  # ids already checked for stop strings
+    first_token_at: float | None = None
+    cancelled: bool = False
+
+
+class Scheduler:
+    """Owns the engine and its worker thread."""
+
+    def __init__(self, gen: TextGenerator, config: ServeConfig, metrics: ServerMetrics) -> None:
+        self.gen, self.config, self.metrics = gen, config, metrics
+        capacity = config.max_model_len + max(config.k_max, config.k if isinstance(config.k, int) else 0) + 2
+        proposer = gen.make_proposer(config.proposer, capacity, config.ngram, config.exit_layer) if config.proposer else None
+        self.engine = Engine(gen.target.model, proposer, capacity=capacity, k=config.k if proposer else 0,
+                             k_max=config.k_max, eos_token_ids=gen.eos_token_ids, seed=config.seed,
+                             max_batch=config.max_batch)
+        self._lock = threading.Lock()
+        self._inbox: deque[Job] = deque()
+        self._cancels: deque[Job] = deque()
+        self._jobs: dict[int, Job] = {}  # id(row) -> job
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._calls_seen = 0
+        self._tokens = 0  # generated tokens published so far
+
+    # -- the event-loop side ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the engine in a thread of its own (tests, a server inside another program).
+        `specdec serve` runs it in the main thread instead (see :func:`specdec.server.app.serve`)."""
+        self._thread = threading.Thread(target=self.run, name="specdec-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what is still running or waiting and stop the engine loop."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def waiting(self) -> int:
+        return len(self._inbox) + len(self.engine.waiting)
+
+    def check(self, request: Request) -> None:
+        self.engine.check(request)  # reads configuration only: safe from any thread
+
+    def submit(self, jobs: list[Job]) -> None:
+        with self._lock:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if self.waiting() + len(jobs) > self.config.max_queue:
+                raise QueueFull(f"{self.waiting()} requests are waiting (max_queue {self.config.max_queue})")
+            self._inbox.extend(jobs)
+        self._wake.set()
+
+    def cancel(self, jobs: list[Job]) -> None:
+        with self._lock:
+            self._cancels.extend(j for j in jobs if not j.cancelled)
+        self._wake.set()
+
+    # -- the worker thread --------------------------------------------------------------------
+
+    def run(self, until=lambda: False) -> None:
+        """The engine loop, until :meth:`stop` or ``until()``; then every request still running
+        or waiting gets a "cancelled" end."""
+        try:
+            while not self._stopping and not until():
+                self._take_inbox()
+                if not self.engine.busy:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                changed = self.engine.step()
+                self._publish(changed)
+        except Exception as exc:  # a bug: fail every request loudly rather than hang them
+            for job in list(self._jobs.values()) + list(self._inbox):
+                self._emit(job, {"error": f"internal error: {type(exc).__name__}: {exc}"})
+            raise
+        finally:
+            for job in list(self._jobs.values()) + list(self._inbox):
+                self._emit(job, {"finish_reason": "cancelled", "text": ""})
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            new, self._inbox = list(self._inbox), deque()
+            cancels, self._cancels = list(self._cancels), deque()
+        for job in new:
+            job.row = self.engine.add(job.request)
+            self._jobs[id(job.row)] = job
+            self.metrics.prompt_tokens.inc(len(job.request.prompt))
+        for job in cancels:
+            job.cancelled = True
+            if job.row is not None and not job.row.done:
+                self.engine.cancel(job.row)
+                self._jobs.pop(id(job.row), None)
+                self.metrics.requests.labels("cancelled").inc()
+        self.metrics.queue.set(len(self.engine.waiting))
+
+    def _publish(self, changed: list[RowState]) -> None:
+        """Stop strings, text increments and final events of the rows that changed."""
+        m = self.metrics
+        calls = self.engine.metrics.target_calls
+        m.target_calls.inc(calls - self._calls_seen)
+        self._calls_seen = calls
+        m.batch.set(len(self.engine.rows))
+        for phase, seconds in self.engine.timer.step.items():
+            m.phase_seconds.labels(phase).inc(seconds)
+        now = time.perf_counter()
+        for row in changed:
+            job = self._jobs.get(id(row))
+            if job is None:  # cancelled in the meantime
+                continue
+            if job.first_token_at is None and row.token_ids:
+                job.first_token_at = now
+                m.ttft.observe(now - row.added_at)
+            if job.stop:
+                check_stop(self.engine, row, job.text.stop_at, job.seen)
+            else:
+                job.text.detok.update(row.token_ids)
+            m.generated.inc(len(row.token_ids) - job.seen)
+            self._tokens += len(row.token_ids) - job.seen
+            job.seen = len(row.token_ids)
+            text = job.text.release()
+            if not row.done:
+                if text:
+                    self._emit(job, {"text": text})
+                continue
+            del self._jobs[id(row)]
+            text += job.text.finish(self.gen.final_text(row.token_ids, job.stop))
+            self._emit(job, {"text": text, "finish_reason": FINISH[row.finish_reason], "usage": self._usage(row)})
+            m.requests.labels(FINISH[row.finish_reason]).inc()
+            n = len(row.token_ids)
+            if n > 1 and job.first_token_at is not None:
+                m.tpot.observe((now - job.first_token_at) / (n - 1))
+            acc = row.result.metrics.acceptance
+            for i, (reached, accepted) in enumerate(zip(acc.reached_at, acc.accepted_at)):
+                m.reached.labels(str(i)).inc(reached)
+                m.accepted.labels(str(i)).inc(accepted)
+        m.calls_per_token.set(calls / max(1, self._tokens))
+        m.queue.set(len(self.engine.waiting))
+
+    def _usage(self, row: RowState) -> dict:
+        metrics = row.result.metrics
+        acc = metrics.acceptance
+        n = len(row.token_ids)
+        return {"prompt_tokens": len(row.request.prompt), "completion_tokens": n,
+                "speculative": {  # an extension: this choice's own speculation, in the three metric classes
+                    "accepted_per_call": acc.accepted / acc.calls if acc.calls else 0.0,
+                    "acceptance_rate": acc.accepted / acc.drafted if acc.drafted else 0.0,
+                    "target_calls_per_token": metrics.target_calls / n if n else 0.0,
+                    "draft_share": acc.accepted / n if n else 0.0,  # share of tokens that were accepted drafts
+                    "time_to_first_token_s": metrics.timings.ttft,
+                    "total_s": metrics.timings.total}}
+
+    def _emit(self, job: Job, event: dict) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, (job.index, event))
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+

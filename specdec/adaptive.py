@@ -1,17 +1,20 @@
 """Adaptive speculation length: choose k from measured costs and acceptance, down to k = 0.
 
-Model of one step with k draft tokens (one row; a batch shares k):
+Model of one step with k draft tokens (a batch of B rows shares k):
 
-* time: ``T(k) = k * d + v(k + 1)`` — ``d`` the proposer's cost per draft token (~0 for n-gram
-  lookup), ``v(n)`` the target's cost to verify n positions (measured per n; unmeasured n are
-  interpolated linearly from the measured ones, and before any measurement assumed
-  ``v(n) = v1 * (1 + 0.1 (n - 1))``);
+* time: ``T(k) = k * d + v(B (k + 1))`` — ``d`` the proposer's cost per draft token (~0 for
+  n-gram lookup), ``v(n)`` the target's cost to score n positions in one call, all rows
+  together (measured per n; unmeasured n are interpolated linearly from the measured ones, and
+  before any measurement assumed ``v(n) = v1 * (1 + 0.1 (n - 1))``). Keying the cost by the
+  positions of the whole call is what makes the choice follow the load: one row's extra drafts
+  are nearly free (the weights are read once either way), sixteen rows' are not (the call is
+  compute-bound), and the same measurements serve every batch size;
 * tokens: with ``a_i`` = P(draft i accepted | drafts 1..i-1 accepted), the step commits
   ``E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j`` tokens in expectation (every step commits at least
   the replacement or bonus token). With a constant ``a`` this is Leviathan et al.'s
   ``(1 - a^(k+1)) / (1 - a)``; measuring ``a_i`` per position drops the i.i.d. assumption.
 
-Expected throughput is ``E(k) / T(k)`` (renewal-reward: tokens per second over many steps), and
+Expected throughput is ``B E(k) / T(k)`` (renewal-reward: tokens per second over many steps), and
 the controller picks ``k* = argmax_{0 <= k <= k_max} E(k) / T(k)``. ``k = 0`` is plain decoding,
 ``1 / v(1)``: when drafts do not pay, speculation turns itself off.
 
@@ -104,14 +107,16 @@ class AdaptiveK:
         return [(a + self.prior_accept * self.prior_weight) / (t + self.prior_weight)
                 for a, t in zip(self.accepted, self.tested)]
 
-    def verify_costs(self) -> list[float]:
-        """Estimated seconds to verify n = 1..k_max+1 positions."""
-        return verify_costs(self.verify_cost, self.k_max + 1)
+    def verify_costs(self, rows: int = 1) -> list[float]:
+        """Estimated seconds of a call verifying k = 0..k_max drafts for each of ``rows`` rows."""
+        costs = verify_costs(self.verify_cost, rows * (self.k_max + 1))
+        return [costs[rows * (k + 1) - 1] for k in range(self.k_max + 1)]
 
-    def choose(self) -> int:
+    def choose(self, rows: int = 1) -> int:
+        """k for the next step of a batch of ``rows`` rows."""
         if self.k_max == 0:
             return 0
-        k = best_k(self.acceptance(), self.draft_cost or 0.0, self.verify_costs(), self.k_max)
+        k = best_k(self.acceptance(), self.draft_cost or 0.0, self.verify_costs(rows), self.k_max)
         if k == 0:
             self._since_spec += 1
             if self._since_spec >= self.probe_every:
@@ -132,7 +137,7 @@ class AdaptiveK:
         prompt, on its first step); that time is not a per-draft cost, so it does not update the
         draft cost estimate. Until a step that is not a catch-up measures it, the draft cost is
         taken as 0, which keeps speculating until it is measured."""
-        update_cost(self.verify_cost, k + 1, verify_seconds, self.ema)
+        update_cost(self.verify_cost, len(num_accepted) * (k + 1), verify_seconds, self.ema)
         if k == 0:
             return
         if not caught_up:  # (the first step is always one: the proposer's own prefill of the prompt)
@@ -193,8 +198,9 @@ class TreeBudget:
         pred = self.predicted[i] if i < len(self.predicted) else 0.0
         return (hits + self.prior_weight) / (pred + self.prior_weight)
 
-    def choose(self) -> int:
-        """Nodes to ask the proposer for this step: ``max_nodes``, or 0 while trees do not pay."""
+    def choose(self, rows: int = 1) -> int:
+        """Nodes to ask the proposer for this step: ``max_nodes``, or 0 while trees do not pay
+        (``rows`` plays no part here: :meth:`nodes` sizes each tree knowing the batch)."""
         if self.gain is None or self.gain >= 1.0 or self.max_nodes == 0:
             self._since_spec = 0
             return self.max_nodes
@@ -215,7 +221,8 @@ class TreeBudget:
         value = torch.where(real, proposal.scores.float().clamp(0, 1) * calib[(depth - 1).clamp(min=0)], 0.0)
         gain = torch.sort(value, dim=1, descending=True).values.sum(0).cumsum(0)  # [N] summed over rows
         rows = proposal.tokens.shape[0]
-        costs = verify_costs(self.verify_cost, size + 1)
+        per_call = verify_costs(self.verify_cost, rows * (size + 1))  # keyed by the call's positions (as AdaptiveK)
+        costs = [per_call[rows * (n + 1) - 1] for n in range(size + 1)]
         expected = [float(rows)] + [rows + float(gain[n - 1]) for n in range(1, size + 1)]
         best = max(range(size + 1), key=lambda n: (expected[n] / costs[n], -n))  # drafting is spent
         draft = self.draft_cost or 0.0
@@ -224,7 +231,7 @@ class TreeBudget:
         return best
 
     def observe_step(self, proposal, result, draft_seconds: float, verify_seconds: float, caught_up: bool) -> None:
-        update_cost(self.verify_cost, proposal.size + 1, verify_seconds, self.ema)
+        update_cost(self.verify_cost, proposal.tokens.shape[0] * (proposal.size + 1), verify_seconds, self.ema)
         if proposal.size == 0 or not proposal.is_tree:
             return
         if not caught_up:

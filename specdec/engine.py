@@ -137,7 +137,7 @@ class Request:
     seed: int | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # rows are compared by identity (two requests may be alike)
 class RowState:
     """One request in flight: its output so far, its randomness, its own metrics."""
 
@@ -173,7 +173,7 @@ class PhaseTimer:
             yield
         finally:
             dt = time.perf_counter() - t
-            setattr(self.timings, name, getattr(self.timings, name) + dt)
+            self.timings.add(name, dt)
             self.step[name] = self.step.get(name, 0.0) + dt
 
 
@@ -360,7 +360,7 @@ class Engine:
         # context (ragged acceptance can leave a long row near its end while others still draft).
         room = self.context_len - 1 - int(self.cache.lengths.max())
         depth_cap = min(remaining - 1, room)
-        k = controller.choose() if controller is not None else self.k
+        k = controller.choose(batch) if controller is not None else self.k
         k = min(k, room) if self.proposer.emits_trees else min(k, depth_cap)
         with self.timer.phase("draft"):
             proposal = self.proposer.propose(pending, k)

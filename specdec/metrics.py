@@ -104,6 +104,14 @@ class Timings:
     ttft: float = 0.0
     total: float = 0.0
 
+    PHASES = ("prefill", "draft", "target_forward", "verification", "cache")
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Add ``seconds`` to one of :attr:`PHASES`."""
+        if phase not in self.PHASES:
+            raise ValueError(f"unknown phase {phase!r}; one of {', '.join(self.PHASES)}")
+        setattr(self, phase, getattr(self, phase) + seconds)
+
 
 @dataclass
 class GenerationMetrics:

@@ -52,7 +52,7 @@ def test_quantization_is_idempotent_on_its_own_grid():
 def test_quantization_error_is_bounded_by_half_a_step():
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
     state = q4.quantize_q4(w)
-    step = state["scales"].view(torch.float16).float().permute(0, 2, 1).reshape(16, 2)  # [N, G]
+    step = q4._unpack(state["packed"])[1].permute(0, 2, 1).reshape(16, 2)  # [N, G]
     err = (q4.dequantize_q4(state) - w).abs().view(16, 2, 32).amax(-1)
     assert (err <= step * 0.5 + 1e-3 * w.abs().max()).all()  # + fp16 rounding of scale and min
 
@@ -74,10 +74,10 @@ def test_q4_speculative_greedy_equals_plain():
 
 
 def test_every_instruction_set_gives_the_same_bits():
-    """AVX2, AVX-512 VNNI (256-bit) and AVX-512 (pairs of blocks) compute the same integers and
+    """AVX2, AVX-512 VNNI (256-bit halves of a tile) and AVX-512 (whole tiles) compute the same integers and
     the same per-lane float operations: identical outputs (paths this CPU lacks fall back)."""
     g = torch.Generator().manual_seed(9)
-    state = q4.quantize_q4(torch.randn(72, 256, generator=g), torch.randn(72, generator=g))  # 9 blocks: odd
+    state = q4.quantize_q4(torch.randn(72, 256, generator=g), torch.randn(72, generator=g))  # 4.5 tiles: padded
     x = torch.randn(18, 256, generator=g)
     layer = q4.Q4Linear(state)
     outputs = []

@@ -27,7 +27,7 @@ from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.runtime.model import Transformer
 
 # Bump a format when its quantized layout or recipe changes (it is part of the cache key).
-QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-lanes-v1"}
+QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2"}
 DTYPES = ("int8", "q4", "bfloat16", "float32")
 DONE = "done"  # marker written last into a converted directory: its files and their sizes
 

@@ -7,6 +7,12 @@ min each), so re-quantizing a Q4_K tensor that was dequantized to fp32 finds its
 (up to the fp16 rounding of the scales); Q6_K/Q8_0 tensors lose precision (measured in
 docs/BENCHMARKS.md). About 0.625 bytes per weight, against 1 for int8.
 
+Layout: output channels in tiles of 16; everything the kernel needs for one tile and one group
+(256 bytes of codes, 16 fp16 scales, 16 fp16 mins) is one contiguous 320-byte chunk, and a
+tile's chunks follow each other group by group. A thread therefore reads ONE sequential stream
+(with software prefetch ahead of it) instead of six — what makes a single-row step
+memory-bandwidth-bound (measured in docs/BENCHMARKS.md §14).
+
 Product. Each activation row is quantized per group of 32 with its own scale ``d = max|x|/127``
 (so a row never depends on another row, and an outlier only coarsens its own group), the 4-bit x
 int8 dot products of a group are exact integers, and the groups are accumulated in a fixed order:
@@ -14,10 +20,10 @@ int8 dot products of a group are exact integers, and the groups are accumulated 
     y[m, n] = sum_g  d[m,g] * (scale[n,g] * idot[m,n,g] - min[n,g] * isum[m,g])     (fp32, g = 0, 1, ...)
 
 ``isum`` is the sum of the row's int8 codes in group g (it carries the ``min`` term). The C++
-kernel (``kernels/q4.cpp``, AVX2, compiled once per machine with the system's compiler) performs
-exactly these fp32 operations in this order for every output element, whatever the number of rows
-or threads; :func:`reference_linear` is the same computation in plain torch, and the two are
-tested to be bit-identical.
+kernel (``kernels/q4.cpp``, AVX2 / AVX-512 VNNI, compiled once per machine with the system's
+compiler) performs exactly these fp32 operations in this order for every output element,
+whatever the number of rows or threads; :func:`reference_linear` is the same computation in
+plain torch, and the two are tested to be bit-identical.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from pathlib import Path
 import torch
 
 GROUP = 32  # inputs per quantization group
-BLOCK = 8  # output channels per kernel block (the layout groups them)
+TILE = 16  # output channels per tile (one 512-bit register of int32 lanes)
+CODE_BYTES = TILE * GROUP // 2  # 256: the 4-bit codes of one tile and one group
+CHUNK = CODE_BYTES + 2 * TILE * 2  # 320: codes, then 16 fp16 scales, then 16 fp16 mins
 
 _SOURCE = Path(__file__).with_name("kernels") / "q4.cpp"
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it the kernel runs on one
@@ -50,8 +58,9 @@ def supported(in_features: int) -> bool:
 
 def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``weight`` ``[N, K]`` (K a multiple of 32) -> the tensors of a :class:`Q4Linear`:
-    ``qweight`` ``[N8/8, G, 128]`` uint8 (see :func:`_pack`), ``scales``/``mins`` ``[N8/8, G, 8]`` fp16 bits (int16),
-    ``out_features`` and optionally ``bias``; N is padded to N8, a multiple of 8, with zero rows.
+    ``packed`` ``[N16/16, G, 320]`` uint8 (see the module docstring and :func:`_pack`),
+    ``out_features`` and optionally ``bias`` ``[N16]``; N is padded to N16, a multiple of 16, with
+    zero rows.
 
     Asymmetric per group: ``scale = (max - min) / 15``, ``min = -min(w)``, both rounded to fp16
     first; the codes are then chosen for the rounded values, ``q = round((w + min) / scale)``.
@@ -60,53 +69,54 @@ def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> dict[
     if not supported(k):
         raise ValueError(f"4-bit layers need in_features divisible by {GROUP}, got {k}")
     w = weight.float()
-    n8 = -(-n // BLOCK) * BLOCK
-    if n8 != n:
-        w = torch.cat([w, w.new_zeros(n8 - n, k)])
+    n16 = -(-n // TILE) * TILE
+    if n16 != n:
+        w = torch.cat([w, w.new_zeros(n16 - n, k)])
     g = k // GROUP
-    groups = w.view(n8, g, GROUP)  # [N8, G, 32]
-    lo, hi = groups.amin(-1), groups.amax(-1)  # [N8, G]
+    groups = w.view(n16, g, GROUP)  # [N16, G, 32]
+    lo, hi = groups.amin(-1), groups.amax(-1)  # [N16, G]
     scale = ((hi - lo) / 15.0).half()
     minimum = (-lo).half()
     s32, m32 = scale.float().unsqueeze(-1), minimum.float().unsqueeze(-1)
     safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
     q = torch.where(s32 > 0, torch.round((groups + m32) / safe), torch.zeros_like(groups)).clamp_(0, 15)
-    q = q.to(torch.uint8).view(n8 // BLOCK, BLOCK, g, GROUP).transpose(1, 2)  # [NB, G, 8, 32]
+    nt = n16 // TILE
+    q = q.to(torch.uint8).view(nt, TILE, g, GROUP).transpose(1, 2)  # [NT, G, 16, 32]
+    per_tile = lambda t: t.view(nt, TILE, g).transpose(1, 2).contiguous().view(torch.uint8)  # noqa: E731  [NT, G, 32]
     state = {
-        "qweight": _pack(q),  # [NB, G, 128]
-        "scales": scale.view(n8 // BLOCK, BLOCK, g).transpose(1, 2).contiguous().view(torch.int16),
-        "mins": minimum.view(n8 // BLOCK, BLOCK, g).transpose(1, 2).contiguous().view(torch.int16),
+        "packed": torch.cat([_pack(q), per_tile(scale), per_tile(minimum)], -1).contiguous(),  # [NT, G, 320]
         "out_features": torch.tensor(n),
     }
     if bias is not None:
-        state["bias"] = torch.cat([bias.float(), bias.new_zeros(n8 - n).float()])
+        state["bias"] = torch.cat([bias.float(), bias.new_zeros(n16 - n).float()])
     return state
 
 
 def _pack(q: torch.Tensor) -> torch.Tensor:
-    """Codes ``[NB, G, 8, 32]`` (0..15) -> the kernel's bytes ``[NB, G, 128]``: byte ``32r + 4o + t``
+    """Codes ``[NT, G, 16, 32]`` (0..15) -> the kernel's bytes ``[NT, G, 256]``: byte ``64r + 4o + t``
     holds input ``4r + t`` of output ``o`` in its low nibble and input ``16 + 4r + t`` in its high
-    nibble (r, t = 0..3), so each 32-bit lane of the kernel's products belongs to one output."""
-    nb, g = q.shape[:2]
-    lo, hi = q[..., :16].reshape(nb, g, BLOCK, 4, 4), q[..., 16:].reshape(nb, g, BLOCK, 4, 4)  # [NB, G, o, r, t]
-    return (lo | (hi << 4)).permute(0, 1, 3, 2, 4).reshape(nb, g, 4 * BLOCK * 4).contiguous()
+    nibble (r, t = 0..3, o = 0..15), so each 32-bit lane of a 512-bit register of the kernel's
+    products belongs to one output (and the two 256-bit halves to outputs 0-7 and 8-15)."""
+    nt, g = q.shape[:2]
+    lo, hi = q[..., :16].reshape(nt, g, TILE, 4, 4), q[..., 16:].reshape(nt, g, TILE, 4, 4)  # [NT, G, o, r, t]
+    return (lo | (hi << 4)).permute(0, 1, 3, 2, 4).reshape(nt, g, CODE_BYTES).contiguous()
 
 
-def _codes(qweight: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`_pack`: ``[NB, G, 128]`` bytes -> codes ``[NB, G, 8, 32]``."""
-    nb, g = qweight.shape[:2]
-    b = qweight.view(nb, g, 4, BLOCK, 4).permute(0, 1, 3, 2, 4).reshape(nb, g, BLOCK, 16)  # [NB, G, o, 16]
-    return torch.cat([b & 0x0F, b >> 4], -1)
+def _unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[NT, G, 320]`` -> codes ``[NT, G, 16, 32]`` (the inverse of :func:`_pack`), scales and
+    mins ``[NT, G, 16]`` (fp32)."""
+    nt, g = packed.shape[:2]
+    b = packed[..., :CODE_BYTES].reshape(nt, g, 4, TILE, 4).permute(0, 1, 3, 2, 4).reshape(nt, g, TILE, 16)
+    codes = torch.cat([b & 0x0F, b >> 4], -1)
+    half = lambda lo: packed[..., lo : lo + 2 * TILE].contiguous().view(torch.float16).float()  # noqa: E731
+    return codes, half(CODE_BYTES), half(CODE_BYTES + 2 * TILE)
 
 
 def dequantize_q4(state: dict[str, torch.Tensor]) -> torch.Tensor:
     """The ``[N, K]`` fp32 weights that a 4-bit state represents."""
-    qw = state["qweight"]  # [NB, G, 128]
-    nb, g = qw.shape[:2]
-    q = _codes(qw).float()  # [NB, G, 8, 32]
-    scale = state["scales"].view(torch.float16).float().unsqueeze(-1)  # [NB, G, 8, 1]
-    minimum = state["mins"].view(torch.float16).float().unsqueeze(-1)
-    w = (scale * q - minimum).transpose(1, 2).reshape(nb * BLOCK, g * GROUP)
+    codes, scale, minimum = _unpack(state["packed"])  # [NT, G, 16, 32], [NT, G, 16] x 2
+    nt, g = codes.shape[:2]
+    w = (scale.unsqueeze(-1) * codes.float() - minimum.unsqueeze(-1)).transpose(1, 2).reshape(nt * TILE, g * GROUP)
     return w[: int(state["out_features"])]
 
 
@@ -123,13 +133,13 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def reference_linear(x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
     """The kernel's computation in plain torch (slow; the bit-exact reference for the tests)."""
     xq, d, isum = quantize_activations(x)  # [M, G, 32], [M, G], [M, G]
-    qw = state["qweight"]
-    nb, g = qw.shape[:2]
-    q = _codes(qw).permute(0, 2, 1, 3).reshape(nb * BLOCK, g, GROUP)  # [N8, G, 32]
-    scale = state["scales"].view(torch.float16).float().permute(0, 2, 1).reshape(nb * BLOCK, g)  # [N8, G]
-    minimum = state["mins"].view(torch.float16).float().permute(0, 2, 1).reshape(nb * BLOCK, g)
-    idot = torch.einsum("mgj,ngj->mng", xq.long(), q.long()).float()  # [M, N8, G], exact integers
-    acc = torch.zeros(x.shape[0], nb * BLOCK)
+    codes, scale, minimum = _unpack(state["packed"])  # [NT, G, 16, 32], [NT, G, 16] x 2
+    nt, g = codes.shape[:2]
+    q = codes.permute(0, 2, 1, 3).reshape(nt * TILE, g, GROUP)  # [N16, G, 32]
+    scale = scale.permute(0, 2, 1).reshape(nt * TILE, g)  # [N16, G]
+    minimum = minimum.permute(0, 2, 1).reshape(nt * TILE, g)
+    idot = torch.einsum("mgj,ngj->mng", xq.long(), q.long()).float()  # [M, N16, G], exact integers
+    acc = torch.zeros(x.shape[0], nt * TILE)
     for i in range(g):  # fixed order, one rounding per operation, as in the kernel
         t = scale[:, i] * idot[:, :, i]
         u = minimum[:, i] * isum[:, i : i + 1]
@@ -184,9 +194,9 @@ class Q4Linear(torch.nn.Module):
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.qweight, self.scales, self.mins = state["qweight"], state["scales"], state["mins"]
+        self.packed = state["packed"]  # [NT, G, 320]
         self.out_features = int(state["out_features"])
-        self.in_features = self.qweight.shape[1] * GROUP
+        self.in_features = self.packed.shape[1] * GROUP
         bias = state.get("bias")
         self.bias = bias if bias is not None else torch.empty(0)
         self._k = kernel()
@@ -194,7 +204,7 @@ class Q4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float().contiguous()  # [M, K]
-        y = self._k.q4_linear(x2, self.qweight, self.scales, self.mins, self.bias)  # [M, N8]
+        y = self._k.q4_linear(x2, self.packed, self.bias)  # [M, N16]
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*shape[:-1], self.out_features)

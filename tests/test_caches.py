@@ -91,6 +91,22 @@ def test_a_damaged_cache_file_is_rebuilt_once_with_a_notice(home, tmp_path, caps
     assert "damaged" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("dtype", ["int8", pytest.param("q4", marks=pytest.mark.skipif(
+    not __import__("specdec.runtime.q4", fromlist=["q4"]).available(), reason="the 4-bit kernel needs AVX2"))])
+def test_a_fresh_quantized_cache_is_read_back_silently(home, tmp_path, capsys, dtype):
+    """The cache written by the first load is what later loads read (no rebuild, same logits)."""
+    directory = _save(hf_tiny("qwen2"), tmp_path / "model")
+    first = _logits(loading.load(str(directory), dtype))
+    capsys.readouterr()
+    (written,) = _files(home / "quantized", "*.safetensors")
+    mtime = written.stat().st_mtime_ns
+    again = _logits(loading.load(str(directory), dtype))
+    err = capsys.readouterr().err
+    assert "damaged" not in err and "quantizing" not in err
+    assert written.stat().st_mtime_ns == mtime
+    assert torch.equal(again, first)
+
+
 def _fake_converter(monkeypatch, calls: list[Path]):
     """Conversion of a (fake) GGUF: writes the tiny model's HF directory, counting the calls."""
 

@@ -154,7 +154,7 @@ class LinearBuilder:
         if self.quantized is not None:
             prefix = name + "."
             state = {k[len(prefix):]: v for k, v in self.quantized.items() if k.startswith(prefix)}
-            if "qweight" not in state:
+            if ("packed" if self.dtype == "q4" else "qweight") not in state:
                 raise KeyError(f"quantized cache has no layer {name!r}")
         else:
             if self.dtype == "q4":

@@ -7,9 +7,9 @@ default, or as any ``tree_mask`` ``[B, T, T]`` over the block (for candidate tre
 per-token rope positions. Logits can be restricted to some block positions.
 
 Batch invariance: every linear is row-independent (see :mod:`specdec.runtime.linear`), and
-attention is computed one query at a time over exactly its visible keys, so a row's logits are
-bit-identical (int8) whether it is decoded alone, verified in a block, prefilled, or batched with
-other rows. On this CPU that costs ~1.5% of a 200-token prefill compared with one batched call.
+attention is computed one query at a time over exactly its visible keys (see
+:mod:`specdec.runtime.attention`), so a row's logits are bit-identical (int8, q4) whether it is
+decoded alone, verified in a block, prefilled, or batched with other rows.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from specdec.runtime import attention
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.linear import LinearBuilder, activation_dtype
@@ -41,7 +42,8 @@ def rope_tables(theta: float, head_dim: int, max_pos: int) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[B, H, T, D]``; cos/sin ``[B, 1, T, D]`` (rotate-half convention, as in transformers)."""
+    """x ``[..., D]``; cos/sin broadcastable to it, e.g. x ``[B, T, H, D]`` with ``[B, T, 1, D]``
+    (rotate-half convention, as in transformers)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -72,44 +74,6 @@ class Block(torch.nn.Module):
             self.k_norm = w("self_attn.k_norm.weight").float()
         self.sliding = cfg.is_gemma and cfg.layer_is_sliding[layer]
 
-    def _attend(self, q: torch.Tensor, cache: KVCache, groups, scale: float) -> torch.Tensor:
-        """Attention one query at a time over exactly its visible keys.
-
-        Queries that see the same slot range (the same row length, in different rows) are
-        stacked into one batched matmul; with a fixed per-query shape ``[rep, D] x [D, S]`` a
-        query's result does not depend on how many others share the call (tested bit-exact), so
-        a row's logits are the same decoded alone, verified in a block, or batched. (PyTorch's
-        fused SDPA kernel does not have that property for S > 32.)
-        """
-        cfg = self.cfg
-        bsz, heads, t, dim = q.shape
-        kv_heads = cfg.num_kv_heads
-        out = q.new_empty(bsz, t, heads, dim)
-        k_all, v_all = cache.k[self.layer], cache.v[self.layer]  # [B, Hkv, capacity, D]
-        for rows, qidx, sel in groups:
-            single = rows.numel() == 1
-            if single:  # views, no copies (results are bit-identical to the gathered path; tested)
-                b, i = int(rows[0]), int(qidx[0])
-                rows, qidx = slice(b, b + 1), slice(i, i + 1)
-            if isinstance(sel, tuple):
-                keys, values = k_all[rows, :, sel[0] : sel[1]], v_all[rows, :, sel[0] : sel[1]]  # [G, Hkv, S, D]
-            elif single:  # tree: an explicit slot index
-                keys, values = k_all[rows][:, :, sel], v_all[rows][:, :, sel]
-            else:  # gather only the visible slots of each row: [G, S, Hkv, D] -> [G, Hkv, S, D]
-                r, s_ = rows.unsqueeze(1), sel.unsqueeze(0)
-                keys = k_all[r, :, s_].permute(0, 2, 1, 3).contiguous()
-                values = v_all[r, :, s_].permute(0, 2, 1, 3).contiguous()
-            qg = (q[rows, :, qidx].transpose(1, 2) if single else q[rows, :, qidx])  # [G, Hq, D]
-            qg = qg.reshape(-1, kv_heads, heads // kv_heads, dim)  # [G, Hkv, rep, D]
-            scores = torch.matmul(qg, keys.to(q.dtype).transpose(-1, -2)).float() * scale  # [G, Hkv, rep, S]
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            result = torch.matmul(probs, values.to(q.dtype)).reshape(-1, heads, dim)  # [G, Hq, D]
-            if single:
-                out[rows, qidx] = result.unsqueeze(1)
-            else:
-                out[rows, qidx] = result
-        return out.transpose(1, 2)  # [B, Hq, T, D]
-
     def _norm_names(self) -> list[str]:
         names = ["input_layernorm", "post_attention_layernorm"]
         if self.cfg.is_gemma:
@@ -125,18 +89,19 @@ class Block(torch.nn.Module):
         h = self._norm("input_layernorm", x)
         qkv = self.qkv(h).to(x.dtype)  # [B, T, (Hq + 2 Hkv) D]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q = qkv[..., :q_size].view(bsz, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [B, Hq, T, D]
-        k = qkv[..., q_size : q_size + kv_size].view(bsz, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = qkv[..., q_size + kv_size :].view(bsz, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = qkv[..., :q_size].view(bsz, t, cfg.num_heads, cfg.head_dim)  # [B, T, Hq, D]
+        k = qkv[..., q_size : q_size + kv_size].view(bsz, t, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
+        v = qkv[..., q_size + kv_size :].view(bsz, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.is_gemma:
             q = rms_norm(q, self.q_norm, cfg.rms_norm_eps, True)
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps, True)
-        cos, sin = rope["local" if self.sliding else "global"]
+        cos, sin = rope["local" if self.sliding else "global"]  # [B, T, 1, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer, k.to(cache.k.dtype), v.to(cache.v.dtype), slots)
+        cache.write(self.layer, k.transpose(1, 2).to(cache.k.dtype), v.transpose(1, 2).to(cache.v.dtype), slots)
         scale = cfg.query_pre_attn_scalar**-0.5 if cfg.is_gemma else 1.0 / math.sqrt(cfg.head_dim)
-        attn = self._attend(q, cache, visible["local" if self.sliding else "global"], scale)  # [B, Hq, T, D]
-        attn = attn.transpose(1, 2).reshape(bsz, t, q_size)
+        attn = attention.attend(q, cache.k[self.layer], cache.v[self.layer],
+                                visible["local" if self.sliding else "global"], scale)  # [B, T, Hq, D]
+        attn = attn.reshape(bsz, t, q_size)
         out = self.o(attn).to(x.dtype)
         if cfg.is_gemma:
             out = self._norm("post_attention_layernorm", out)
@@ -169,6 +134,8 @@ class Transformer(torch.nn.Module):
         keyed ``layers.{i}.{qkv,o,gate_up,down}`` and ``lm_head``; see :mod:`specdec.runtime.linear`.
         ``quantized``: int8 layers from the on-disk cache (``self.quantized_state`` of an earlier build)."""
         super().__init__()
+        if cfg.head_dim % attention.LANES:
+            raise ValueError(f"head_dim {cfg.head_dim} is not a multiple of {attention.LANES}, which the attention kernel needs")
         linear = LinearBuilder(dtype, act_absmax, quantized)
         self.cfg, self.dtype_name = cfg, dtype
         self.act_dtype = activation_dtype(dtype)
@@ -240,7 +207,7 @@ class Transformer(torch.nn.Module):
             self._rope_len = size
         out = {}
         for name, (cos, sin) in self._rope.items():
-            out[name] = (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))  # [B, 1, T, D]
+            out[name] = (cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))  # [B, T, 1, D]
         if "local" not in out:
             out["local"] = out["global"]
         return out
@@ -309,18 +276,12 @@ class Transformer(torch.nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return (logits, hidden) if return_hidden else logits
 
-    def _per_query_visibility(self, start, positions, tree_mask, t, tree_base=None) -> dict[str, list]:
-        """Groups of queries with identical visible slots, for "global" and "local" (Gemma's
-        sliding window) layers: a list of (rows [G], block indices [G], slots) where slots is a
-        (lo, hi) range for chains or an index tensor for trees."""
+    def _per_query_visibility(self, start, positions, tree_mask, t, tree_base=None) -> dict[str, attention.Visibility]:
+        """Each query's visible slots, for "global" and "local" (Gemma's sliding window) layers."""
         window = self.cfg.sliding_window if self.cfg.is_gemma else None
         if tree_mask is None:
-            hi = start.unsqueeze(1) + torch.arange(t).unsqueeze(0) + 1  # [B, T] causal: up to itself
-            out = {"global": _group_ranges(torch.zeros_like(hi), hi)}
-            if window:
-                out["local"] = _group_ranges((positions - window + 1).clamp(min=0), hi)
-            else:
-                out["local"] = out["global"]
+            out = {"global": attention.chain(start, t)}
+            out["local"] = attention.chain(start, t, window, positions) if window else out["global"]
             return out
         base = start if tree_base is None else tree_base  # [B] first slot of the tree region
         extra = tree_mask.shape[2] - t
@@ -331,37 +292,6 @@ class Transformer(torch.nn.Module):
             )
         if window and extra:
             raise ValueError("a tree region before the block (tree_base) is not supported with sliding-window attention")
-        # Queries with the same tree base, position and visible block nodes see the same slots:
-        # one gathered matmul per group (the chain path's argument for bit-identity holds).
-        bsz = start.shape[0]
-        key = torch.cat([base.view(bsz, 1, 1).expand(bsz, t, 1), positions.unsqueeze(-1), tree_mask.long()], -1)
-        uniq, inverse = torch.unique(key.view(bsz * t, -1), dim=0, return_inverse=True)
-        order = torch.argsort(inverse, stable=True)
-        sizes = torch.bincount(inverse, minlength=uniq.shape[0]).tolist()
-        out = {"global": [], "local": []}
-        for g, flat in enumerate(torch.split(order, sizes)):
-            b, i = int(flat[0]) // t, int(flat[0]) % t
-            s0 = int(base[b])
-            block = torch.nonzero(tree_mask[b, i]).flatten() + s0
-            idx = torch.cat([torch.arange(s0), block])
-            rows, qi = flat // t, flat % t
-            out["global"].append((rows, qi, idx))
-            if window:
-                key_pos = torch.cat([torch.arange(s0), positions[b, block - s0]])
-                out["local"].append((rows, qi, idx[int(positions[b, i]) - key_pos < window]))
-        if not window:
-            out["local"] = out["global"]
+        out = {"global": attention.tree(base, tree_mask)}
+        out["local"] = attention.tree(base, tree_mask, positions, window) if window else out["global"]
         return out
-
-
-def _group_ranges(lo: torch.Tensor, hi: torch.Tensor) -> list:
-    """Group (row, block index) pairs by their visible slot range [lo, hi)."""
-    key = lo * (int(hi.max()) + 1) + hi  # [B, T]
-    uniq, inverse = torch.unique(key.flatten(), return_inverse=True)
-    t = hi.shape[1]
-    groups = []
-    for g in range(uniq.numel()):
-        flat = torch.nonzero(inverse == g).flatten()
-        rows, qidx = flat // t, flat % t
-        groups.append((rows, qidx, (int(lo.flatten()[flat[0]]), int(hi.flatten()[flat[0]]))))
-    return groups

@@ -28,22 +28,16 @@ plain torch, and the two are tested to be bit-identical.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import os
-from pathlib import Path
-
 import torch
+
+from specdec.runtime import native
 
 GROUP = 32  # inputs per quantization group
 TILE = 16  # output channels per tile (one 512-bit register of int32 lanes)
 CODE_BYTES = TILE * GROUP // 2  # 256: the 4-bit codes of one tile and one group
 CHUNK = CODE_BYTES + 2 * TILE * 2  # 320: codes, then 16 fp16 scales, then 16 fp16 mins
 
-_SOURCE = Path(__file__).with_name("kernels") / "q4.cpp"
-# -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it the kernel runs on one
-# thread); the extension then shares torch's own libgomp.so.1, already loaded.
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 _kernel = None
 
 
@@ -153,40 +147,10 @@ def kernel():
     """The compiled kernel module (built on first use, cached per machine under $SPECDEC_HOME)."""
     global _kernel
     if _kernel is None:
-        _kernel = _build()
+        if not available():
+            raise RuntimeError("the 4-bit kernel needs a CPU with AVX2; use dtype int8")
+        _kernel = native.build("q4", "q4.cpp", depends=("q4_blocks.h",), flags=_FLAGS)
     return _kernel
-
-
-def _build():
-    from torch.utils.cpp_extension import load
-
-    from specdec.models import cache
-
-    if not available():
-        raise RuntimeError("the 4-bit kernel needs a CPU with AVX2; use dtype int8")
-    source = _SOURCE.read_bytes() + _SOURCE.with_name("q4_blocks.h").read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
-    build_dir = cache.home() / "kernels" / f"q4-{key}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with cache.build_lock(build_dir), _ninja_on_path():
-        if not any(build_dir.glob("*.so")):
-            cache.notice(f"compiling the 4-bit kernel once ({build_dir})")
-        return load(name=f"specdec_q4_{key}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-
-
-@contextlib.contextmanager
-def _ninja_on_path():
-    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package installs it next
-    to the interpreter's packages, which is not on PATH when the venv is not activated."""
-    import ninja
-
-    old = os.environ.get("PATH", "")
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = old
 
 
 class Q4Linear(torch.nn.Module):

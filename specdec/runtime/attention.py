@@ -1,0 +1,147 @@
+"""Attention for decoding: each query over exactly its visible slots, batch invariant by construction.
+
+A query's visible slots are described by a :class:`Visibility`: a range ``[lo, hi)`` of cache
+slots followed by an explicit list (a candidate tree's nodes), in that order. A chain query at
+position ``p`` sees ``[0, p + 1)`` (or its sliding window) whatever block or batch it is in; a
+tree node sees the committed range and then its ancestors' slots and its own — for a path-shaped
+tree exactly the slots, in the same order, of the same chain, so the two give identical logits.
+
+The C++ kernel (``kernels/attention.cpp``) computes every (row, query, head) with one fixed
+sequence of fp32 operations over that list; :func:`reference_attend` is the same computation in
+plain torch (slow), and the two are tested to be bit-identical. It replaced a per-query-group
+torch formulation that cost ~20 small ops per group and layer (7 ms of a 5-token verification
+step of the 1.5B target, 35 ms for 4 rows; docs/BENCHMARKS.md §14).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.runtime import native
+
+LANES = 16  # the kernel's dot products: 16 lane sums then a fixed tree; head_dim % 16 == 0
+_kernel = None
+
+
+def kernel():
+    global _kernel
+    if _kernel is None:
+        # -march=native: the 16-lane loops become one AVX-512 (or two AVX2) operation each; the
+        # results do not depend on the vector width (lane-wise operations, no reassociation).
+        _kernel = native.build("attention", "attention.cpp", flags=("-march=native", "-mprefer-vector-width=512"))
+    return _kernel
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Visible slots of the ``Q = B * T`` queries of a block, row-major (query ``i = b * T + t``)."""
+
+    lo: torch.Tensor  # [Q] int64: first slot of the range
+    hi: torch.Tensor  # [Q] int64: end of the range (exclusive)
+    extra_ptr: torch.Tensor  # [Q + 1] int64: query i's extra slots are extra[extra_ptr[i]:extra_ptr[i + 1]]
+    extra: torch.Tensor  # [nnz] int64: extra slots (tree nodes), after the range
+
+
+def chain(start: torch.Tensor, t: int, window: int | None = None, positions: torch.Tensor | None = None) -> Visibility:
+    """Causal visibility for a block of ``t`` tokens appended at ``start`` ``[B]``: query
+    ``(b, i)`` sees ``[0, start_b + i + 1)``; with ``window`` only keys at positions
+    > p - window, p its rope position (``positions`` ``[B, T]``, default: its slot)."""
+    hi = (start.unsqueeze(1) + torch.arange(t).unsqueeze(0) + 1).flatten()  # [B*T]
+    if window is None:
+        lo = torch.zeros_like(hi)
+    else:
+        pos = hi - 1 if positions is None else positions.flatten()
+        lo = torch.minimum((pos - window + 1).clamp(min=0), hi)
+    return Visibility(lo, hi, torch.zeros(hi.numel() + 1, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+
+def tree(base: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None,
+         window: int | None = None) -> Visibility:
+    """Visibility for a tree block: ``mask`` ``[B, T, W]`` says which of the ``W`` slots from
+    ``base`` ``[B]`` on (earlier tree slots, then the block) each block token sees; every slot
+    before ``base`` is visible. With ``window`` (sliding-window layers; ``positions`` ``[B, T]``
+    are the block's rope positions and W == T), a query at position p sees only keys at
+    positions > p - window: committed slots ``[p - window + 1, base)`` and the block nodes so placed."""
+    bsz, t, w = mask.shape
+    hi = base.repeat_interleave(t)  # [B*T]
+    lo = torch.zeros_like(hi)
+    if window is not None:
+        pos = positions.flatten()  # [B*T]
+        lo = torch.minimum((pos - window + 1).clamp(min=0), hi)
+        mask = mask & (positions.unsqueeze(2) - positions.unsqueeze(1) < window)  # [B, T, T] (W == T)
+    flat = mask.reshape(bsz * t, w)
+    counts = flat.sum(1)  # [B*T]
+    extra_ptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    query, col = torch.nonzero(flat, as_tuple=True)  # sorted by query, then slot
+    extra = hi[query] + col
+    return Visibility(lo, hi, extra_ptr, extra)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, scale: float) -> torch.Tensor:
+    """``q`` ``[B, T, Hq, D]``, ``k``/``v`` ``[B, Hkv, S, D]`` (a layer of the cache) ->
+    ``[B, T, Hq, D]`` in ``q``'s dtype; computed in fp32."""
+    dtype = q.dtype
+    if dtype != torch.float32:  # bf16 runtime: only the slots up to the furthest visible one
+        end = int(torch.cat([vis.hi, vis.extra + 1]).max())
+        q, k, v = q.float(), k[:, :, :end].float(), v[:, :, :end].float()
+    out = kernel().attend(q.contiguous(), k, v, vis.lo, vis.hi, vis.extra_ptr, vis.extra, scale)
+    return out.to(dtype)
+
+
+# The kernel's exp: Cephes' expf polynomial with these float constants (hex = exact float values).
+_EXP = {name: float.fromhex(h) for name, h in [
+    ("log2e", "0x1.715476p+0"), ("c1", "0x1.63p-1"), ("c2", "-0x1.bd0106p-13"),
+    ("p0", "0x1.a0d2cep-13"), ("p1", "0x1.6e879cp-10"), ("p2", "0x1.111210p-7"),
+    ("p3", "0x1.555382p-5"), ("p4", "0x1.555554p-3"), ("p5", "0x1.0p-1")]}
+
+
+def _exp16(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's exp for ``x <= 0``, elementwise fp32, one rounding per operation."""
+    c = {name: torch.tensor(value, dtype=torch.float32) for name, value in _EXP.items()}
+    n = torch.round(x * c["log2e"])
+    r = x - n * c["c1"]
+    r = r - n * c["c2"]
+    p = c["p0"].expand_as(r)
+    for name in ("p1", "p2", "p3", "p4", "p5"):
+        p = p * r + c[name]
+    y = p * (r * r)
+    y = y + r
+    y = y + 1.0
+    two_n = ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+    return torch.where(x < -87.0, torch.zeros_like(x), y * two_n)
+
+
+def _dot16(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[D]`` . ``keys`` ``[n, D]`` -> ``[n]``: 16 lane sums, then the fixed tree."""
+    d = q.shape[-1]
+    acc = torch.zeros(keys.shape[0], LANES)
+    for c in range(0, d, LANES):
+        acc = acc + q[c : c + LANES] * keys[:, c : c + LANES]
+    for half in (8, 4, 2):
+        acc = acc[:, :half] + acc[:, half : 2 * half]
+    return acc[:, 0] + acc[:, 1]
+
+
+def reference_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, scale: float) -> torch.Tensor:
+    """The kernel's computation in plain torch, query by query (slow; the bit-exact reference)."""
+    bsz, t, hq, d = q.shape
+    rep = hq // k.shape[1]
+    out = torch.empty(bsz, t, hq, d)
+    s = torch.tensor(scale, dtype=torch.float32)
+    for i in range(bsz * t):
+        b, j = divmod(i, t)
+        p0, p1 = int(vis.extra_ptr[i]), int(vis.extra_ptr[i + 1])
+        slots = torch.cat([torch.arange(int(vis.lo[i]), int(vis.hi[i])), vis.extra[p0:p1]])
+        for head in range(hq):
+            keys, values = k[b, head // rep, slots].float(), v[b, head // rep, slots].float()  # [n, D]
+            scores = _dot16(q[b, j, head].float(), keys) * s  # [n]
+            probs = _exp16(scores - scores.max())
+            total = torch.zeros(())
+            acc = torch.zeros(d)
+            for n in range(slots.numel()):  # in slot-list order, one rounding per operation
+                total = total + probs[n]
+                acc = acc + probs[n] * values[n]
+            out[b, j, head] = acc / total
+    return out

@@ -1,0 +1,133 @@
+// Attention for decoding, one query at a time over exactly its visible keys: specdec's second
+// hand-written kernel (the per-query torch formulation it replaces issued ~20 small ops per
+// query group and layer, 7 ms of a 5-token verification step; this is one call per layer).
+//
+// Batch invariance by construction: each (row, query, head) is computed by one fixed sequence
+// of fp32 operations over its own visible slots, in their listed order, whatever the number of
+// rows, queries or threads (threads split (row, query, kv-head) items, never a reduction).
+// The operations, which the pure-torch reference (specdec/runtime/attention.py) performs in
+// the same order, bit for bit (plain C++, -ffp-contract=off: no fused multiply-add):
+//   score_j = dot16(q, k_j) * scale       dot16: 16 lane sums a_l += q[16c+l] * k_j[16c+l] over
+//                                         c = 0..D/16-1, then the fixed tree (l, l+8), (l, l+4),
+//                                         (l, l+2), (0, 1)
+//   m = max_j score_j;  p_j = exp16(score_j - m);  sum = p_0 + p_1 + ... (in j order)
+//   out[d] = (p_0 v_0[d] + p_1 v_1[d] + ... in j order) / sum
+// exp16 is the Cephes expf polynomial with fixed float constants (not libm's exp), so the
+// reference can reproduce it with elementwise torch ops.
+// Visible slots of query i: the range [lo_i, hi_i) then extra[extra_ptr[i] .. extra_ptr[i+1]).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+inline float dot16(const float* q, const float* k, int64_t D) {
+  float a[kLanes] = {0.0f};
+  for (int64_t c = 0; c < D; c += kLanes)
+    for (int l = 0; l < kLanes; ++l) a[l] = a[l] + q[c + l] * k[c + l];
+  for (int l = 0; l < 8; ++l) a[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) a[l] = a[l] + a[l + 4];
+  for (int l = 0; l < 2; ++l) a[l] = a[l] + a[l + 2];
+  return a[0] + a[1];
+}
+
+inline float exp16(float x) {  // x <= 0
+  if (x < -87.0f) return 0.0f;
+  const float n = std::nearbyint(x * 0x1.715476p+0f);
+  float r = x - n * 0x1.63p-1f;
+  r = r - n * -0x1.bd0106p-13f;
+  float p = 0x1.a0d2cep-13f;
+  p = p * r + 0x1.6e879cp-10f;
+  p = p * r + 0x1.111210p-7f;
+  p = p * r + 0x1.555382p-5f;
+  p = p * r + 0x1.555554p-3f;
+  p = p * r + 0x1.0p-1f;
+  const float z = r * r;
+  float y = p * z;
+  y = y + r;
+  y = y + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+}  // namespace
+
+// q [B, T, Hq, D] fp32 contiguous; k, v [B, Hkv, S, D] fp32, contiguous in (S, D);
+// lo, hi [B*T] int64; extra_ptr [B*T+1] int64; extra [nnz] int64. Returns [B, T, Hq, D].
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lo, torch::Tensor hi,
+                     torch::Tensor extra_ptr, torch::Tensor extra, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be [B, T, Hq, D] contiguous fp32");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+              "k, v must be [B, Hkv, S, D] fp32");
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(D % kLanes == 0, "head_dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(k.size(0) == B && v.sizes() == k.sizes() && k.size(3) == D && Hq % Hkv == 0, "q, k, v shapes disagree");
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D, "k, v must be contiguous in (S, D)");
+  TORCH_CHECK(lo.numel() == B * T && hi.numel() == B * T && extra_ptr.numel() == B * T + 1, "visibility shapes disagree");
+  for (const auto& t : {lo, hi, extra_ptr, extra})
+    TORCH_CHECK(t.scalar_type() == torch::kLong && t.is_contiguous(), "visibility tensors must be contiguous int64");
+  const int64_t rep = Hq / Hkv;
+  auto out = torch::empty_like(q);
+  const float* Q = q.data_ptr<float>();
+  const float* K = k.data_ptr<float>();
+  const float* V = v.data_ptr<float>();
+  const int64_t* LO = lo.data_ptr<int64_t>();
+  const int64_t* HI = hi.data_ptr<int64_t>();
+  const int64_t* EP = extra_ptr.data_ptr<int64_t>();
+  const int64_t* EX = extra.numel() ? extra.data_ptr<int64_t>() : nullptr;
+  float* O = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
+  for (int64_t i = 0; i < B * T; ++i) {
+    TORCH_CHECK(0 <= LO[i] && LO[i] <= HI[i] && HI[i] <= S && EP[i] <= EP[i + 1], "bad visible range for query ", i);
+    for (int64_t e = EP[i]; e < EP[i + 1]; ++e) TORCH_CHECK(0 <= EX[e] && EX[e] < S, "bad visible slot ", EX[e]);
+    TORCH_CHECK(HI[i] - LO[i] + EP[i + 1] - EP[i] > 0, "query ", i, " sees no key");
+  }
+  at::parallel_for(0, B * T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (T * Hkv), t = (item / Hkv) % T, h = item % Hkv, i = b * T + t;
+      const int64_t nrange = HI[i] - LO[i], n = nrange + EP[i + 1] - EP[i];
+      auto slot = [&](int64_t j) { return j < nrange ? LO[i] + j : EX[EP[i] + j - nrange]; };
+      scores.resize(rep * n);
+      const float* kbase = K + b * kb + h * kh;
+      for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the `rep` heads sharing it
+        const float* kp = kbase + slot(j) * D;
+        for (int64_t r = 0; r < rep; ++r) scores[r * n + j] = dot16(Q + (i * Hq + h * rep + r) * D, kp, D) * sc;
+      }
+      const float* vbase = V + b * vb + h * vh;
+      for (int64_t r = 0; r < rep; ++r) {
+        float* s = scores.data() + r * n;
+        float m = s[0];
+        for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = exp16(s[j] - m);
+          sum = sum + s[j];
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* vp = vbase + slot(j) * D;
+          const float p = s[j];
+          for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + p * vp[d];
+        }
+        float* o = O + (i * Hq + h * rep + r) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / sum;
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend, "per-query attention over listed visible slots (batch invariant)");
+}

@@ -1,0 +1,64 @@
+"""Building specdec's two small C++ kernels (``kernels/q4.cpp``, ``kernels/attention.cpp``).
+
+Each is compiled once per machine with the system's compiler through
+``torch.utils.cpp_extension`` and cached under ``$SPECDEC_HOME/kernels``, keyed by its source,
+flags and torch version; concurrent first uses build it once (a file lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+KERNELS = Path(__file__).with_name("kernels")
+# -ffp-contract=off: no multiply-add is fused, so every float operation rounds exactly as in the
+# pure-torch references. -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it
+# the kernel runs on one thread); the extension then shares torch's own libgomp.so.1.
+BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+
+
+def build(stem: str, source: str, depends: tuple[str, ...] = (), flags: tuple[str, ...] = ()):
+    """Compile (once) and load ``kernels/<source>``; ``depends`` are headers it includes."""
+    from torch.utils.cpp_extension import load
+
+    from specdec.models import cache
+
+    all_flags = BASE_FLAGS + list(flags)
+    text = b"".join((KERNELS / name).read_bytes() for name in (source, *depends))
+    key = hashlib.sha256(text + " ".join(all_flags).encode() + torch.__version__.encode() + _cpu()).hexdigest()[:12]
+    build_dir = cache.home() / "kernels" / f"{stem}-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with cache.build_lock(build_dir), _ninja_on_path():
+        if not any(build_dir.glob("*.so")):
+            cache.notice(f"compiling the {stem} kernel once ({build_dir})")
+        return load(name=f"specdec_{stem}_{key}", sources=[str(KERNELS / source)], extra_cflags=all_flags,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+
+
+def _cpu() -> bytes:
+    """What a -march=native build depends on: the CPU's model and feature flags (a shared
+    $SPECDEC_HOME on another CPU gets its own build)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability().encode()
+    keep = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep).encode()
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package installs it next
+    to the interpreter's packages, which is not on PATH when the venv is not activated."""
+    import ninja
+
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old

@@ -1,0 +1,113 @@
+"""The attention kernel: bit-identical to its pure-torch reference, each query independent of the
+others in the call, a path-shaped tree equal to its chain, and close to textbook softmax attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.runtime import attention
+
+
+def _qkv(seed: int, b=3, t=4, hq=4, hkv=2, d=32, s=40, spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, hq, d, generator=g) * spread
+    k = torch.randn(b, hkv, s, d, generator=g) * spread
+    v = torch.randn(b, hkv, s, d, generator=g)
+    return q, k, v
+
+
+def _textbook(q, k, v, vis):
+    """Softmax attention in float64 over each query's listed slots (not the kernel's order)."""
+    bsz, t, hq, d = q.shape
+    rep = hq // k.shape[1]
+    out = torch.empty(bsz, t, hq, d, dtype=torch.float64)
+    for i in range(bsz * t):
+        b, j = divmod(i, t)
+        p0, p1 = int(vis.extra_ptr[i]), int(vis.extra_ptr[i + 1])
+        slots = torch.cat([torch.arange(int(vis.lo[i]), int(vis.hi[i])), vis.extra[p0:p1]])
+        for h in range(hq):
+            keys, values = k[b, h // rep, slots].double(), v[b, h // rep, slots].double()
+            w = torch.softmax(keys @ q[b, j, h].double() / math.sqrt(d), -1)
+            out[b, j, h] = w @ values
+    return out
+
+
+CASES = {
+    "chain": lambda: attention.chain(torch.tensor([5, 0, 30]), 4),
+    "window": lambda: attention.chain(torch.tensor([5, 0, 30]), 4, window=7),
+    "tree": lambda: attention.tree(torch.tensor([6, 1, 20]), torch.tensor(
+        [[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]] * 3, dtype=torch.bool)),
+    "tree_window": lambda: attention.tree(torch.tensor([6, 1, 20]), torch.tensor(
+        [[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]] * 3, dtype=torch.bool),
+        positions=torch.tensor([[6, 7, 7, 8], [1, 2, 2, 3], [20, 21, 21, 22]]), window=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("spread", [0.3, 3.0, 30.0])  # 30: scores far below the max (exp's underflow cut)
+def test_kernel_is_bit_identical_to_the_reference(case, spread):
+    q, k, v = _qkv(len(case), spread=spread)
+    vis = CASES[case]()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    got = attention.attend(q, k, v, vis, scale)
+    assert torch.equal(got, attention.reference_attend(q, k, v, vis, scale))
+    # not a vacuous equality: close to textbook attention, but computed in its own fixed order
+    expected = _textbook(q, k, v, vis)
+    assert (got.double() - expected).abs().max() < 1e-4 * max(1.0, spread)
+
+
+def test_bit_equality_is_a_sharp_check():
+    """torch's own softmax attention (another summation order and exp) differs in the last bits:
+    the reference test above would catch a kernel that drifted from its documented order."""
+    q, k, v = _qkv(1)
+    vis = CASES["chain"]()
+    got = attention.attend(q, k, v, vis, 0.25)
+    other = torch.empty_like(got)
+    for i in range(12):
+        b, j = divmod(i, 4)
+        slots = torch.arange(int(vis.lo[i]), int(vis.hi[i]))
+        for h in range(4):
+            w = torch.softmax((k[b, h // 2, slots] @ q[b, j, h]) * 0.25, -1)
+            other[b, j, h] = w @ v[b, h // 2, slots]
+    assert not torch.equal(got, other)
+    assert torch.allclose(got, other, atol=1e-5)
+
+
+def test_each_query_is_independent_of_the_call():
+    """A row's query gives the same bits alone, in its block, and in a batch of rows."""
+    q, k, v = _qkv(2)
+    scale = 0.2
+    together = attention.attend(q, k, v, attention.chain(torch.tensor([5, 0, 30]), 4), scale)
+    for b, start in enumerate([5, 0, 30]):
+        for j in range(4):
+            alone = attention.attend(q[b : b + 1, j : j + 1].contiguous(), k[b : b + 1], v[b : b + 1],
+                                     attention.chain(torch.tensor([start + j]), 1), scale)
+            assert torch.equal(alone[0, 0], together[b, j])
+
+
+def test_a_path_shaped_tree_equals_its_chain():
+    q, k, v = _qkv(3, b=1)
+    chain = attention.attend(q, k, v, attention.chain(torch.tensor([9]), 4), 0.2)
+    path = torch.tril(torch.ones(4, 4, dtype=torch.bool)).unsqueeze(0)
+    tree = attention.attend(q, k, v, attention.tree(torch.tensor([9]), path), 0.2)
+    assert torch.equal(chain, tree)
+
+
+def test_exp_is_accurate():
+    x = -torch.linspace(0, 87, 200_001)
+    rel = ((attention._exp16(x).double() - x.double().exp()) / x.double().exp()).abs()
+    assert rel.max() < 4e-7  # a few float ulps
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda v: attention.Visibility(v.lo, v.hi + 100, v.extra_ptr, v.extra), "bad visible range"),
+    (lambda v: attention.Visibility(v.lo, v.lo, v.extra_ptr, v.extra), "sees no key"),
+    (lambda v: attention.Visibility(v.lo, v.hi, v.extra_ptr[:-1], v.extra), "shapes disagree"),
+])
+def test_bad_visibility_is_a_clear_error(bad, match):
+    q, k, v = _qkv(4)
+    with pytest.raises(RuntimeError, match=match):
+        attention.attend(q, k, v, bad(CASES["chain"]()), 0.2)

@@ -86,7 +86,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, s
     if dtype != torch.float32:  # bf16 runtime: only the slots up to the furthest visible one
         end = int(torch.cat([vis.hi, vis.extra + 1]).max())
         q, k, v = q.float(), k[:, :, :end].float(), v[:, :, :end].float()
-    out = kernel().attend(q.contiguous(), k, v, vis.lo, vis.hi, vis.extra_ptr, vis.extra, scale)
+    if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+        q = q.contiguous()
+    out = kernel().attend(q, k, v, vis.lo, vis.hi, vis.extra_ptr, vis.extra, scale)
     return out.to(dtype)
 
 

@@ -55,17 +55,25 @@ class KVCache:
             )
         return slots
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store ``k_new``/``v_new`` ``[B, H, T, D]`` at ``slots`` ``[B, T]`` of ``layer``."""
+    def common_start(self, slots: torch.Tensor) -> int | None:
+        """The first slot of a block ``slots`` ``[B, T]`` when every row writes at the same one
+        (the common case: one contiguous copy per layer), else None. Once per forward call."""
         start = slots[:, 0]
-        if bool((start == start[0]).all()):  # common case: every row at the same length
-            s0, t = int(start[0]), slots.shape[1]
-            self.k[layer, :, :, s0 : s0 + t] = k_new
-            self.v[layer, :, :, s0 : s0 + t] = v_new
+        return int(start[0]) if bool((start == start[0]).all()) else None
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor,
+              common_start: int | None) -> None:
+        """Store ``k_new``/``v_new`` ``[B, H, T, D]`` at ``slots`` ``[B, T]`` of ``layer``;
+        ``common_start`` is :meth:`common_start` of ``slots``."""
+        k, v = self._k[layer, : self.batch], self._v[layer, : self.batch]  # [B, H, capacity, D]
+        if common_start is not None:
+            t = slots.shape[1]
+            k[:, :, common_start : common_start + t] = k_new
+            v[:, :, common_start : common_start + t] = v_new
             return
         rows = torch.arange(self.batch).unsqueeze(1)  # [B, 1]
-        self.k[layer][rows, :, slots] = k_new.transpose(1, 2)  # index result is [B, T, H, D]
-        self.v[layer][rows, :, slots] = v_new.transpose(1, 2)
+        k[rows, :, slots] = k_new.transpose(1, 2)  # index result is [B, T, H, D]
+        v[rows, :, slots] = v_new.transpose(1, 2)
 
     def advance(self, counts: torch.Tensor | int) -> None:
         """Mark ``counts`` (per row or for all rows) more slots as written."""

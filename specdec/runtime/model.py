@@ -83,21 +83,24 @@ class Block(torch.nn.Module):
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.norms[name], self.cfg.rms_norm_eps, self.cfg.is_gemma)
 
-    def forward(self, x, cache: KVCache, slots, rope, visible) -> torch.Tensor:
+    def forward(self, x, cache: KVCache, slots, common_start, rope, visible) -> torch.Tensor:
         cfg = self.cfg
         bsz, t, _ = x.shape
         h = self._norm("input_layernorm", x)
         qkv = self.qkv(h).to(x.dtype)  # [B, T, (Hq + 2 Hkv) D]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q = qkv[..., :q_size].view(bsz, t, cfg.num_heads, cfg.head_dim)  # [B, T, Hq, D]
-        k = qkv[..., q_size : q_size + kv_size].view(bsz, t, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
-        v = qkv[..., q_size + kv_size :].view(bsz, t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.is_gemma:
-            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps, True)
-            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps, True)
+        heads = cfg.num_heads + cfg.num_kv_heads
         cos, sin = rope["local" if self.sliding else "global"]  # [B, T, 1, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer, k.transpose(1, 2).to(cache.k.dtype), v.transpose(1, 2).to(cache.v.dtype), slots)
+        if cfg.is_gemma:  # q and k normalised separately, then rotated
+            q = rms_norm(qkv[..., :q_size].view(bsz, t, cfg.num_heads, cfg.head_dim), self.q_norm, cfg.rms_norm_eps, True)
+            k = rms_norm(qkv[..., q_size : q_size + kv_size].view(bsz, t, cfg.num_kv_heads, cfg.head_dim),
+                         self.k_norm, cfg.rms_norm_eps, True)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # one rotation for q and k together (elementwise: the same values)
+            qk = apply_rope(qkv[..., : q_size + kv_size].view(bsz, t, heads, cfg.head_dim), cos, sin)  # [B, T, Hq+Hkv, D]
+            q, k = qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads :]  # [B, T, Hq, D], [B, T, Hkv, D]
+        v = qkv[..., q_size + kv_size :].view(bsz, t, cfg.num_kv_heads, cfg.head_dim)
+        cache.write(self.layer, k.transpose(1, 2).to(cache.k.dtype), v.transpose(1, 2).to(cache.v.dtype), slots, common_start)
         scale = cfg.query_pre_attn_scalar**-0.5 if cfg.is_gemma else 1.0 / math.sqrt(cfg.head_dim)
         attn = attention.attend(q, cache.k[self.layer], cache.v[self.layer],
                                 visible["local" if self.sliding else "global"], scale)  # [B, T, Hq, D]
@@ -263,8 +266,9 @@ class Transformer(torch.nn.Module):
             )
         visible = self._per_query_visibility(start, positions, tree_mask, t, tree_base)
         rope = self._rope_for(positions)
+        common_start = cache.common_start(slots)
         for block in self.blocks:
-            x = block(x, cache, slots, rope, visible)
+            x = block(x, cache, slots, common_start, rope, visible)
         cache.advance(t)
         hidden = x  # [B, T, E]
         if logit_index is not None:

@@ -4,7 +4,7 @@
 // fp16, laid out per tile of 16 output channels and group, one contiguous 320-byte chunk each:
 //   packed [N/16, G, 320] uint8: 256 bytes of codes (see tile_codes), 16 fp16 scales, 16 fp16 mins.
 // A tile's chunks follow each other group by group, so a thread reads one sequential stream
-// (prefetched kPrefetch bytes ahead) — a single-row product is then bound by memory bandwidth.
+// (prefetched g_prefetch bytes ahead) — a single-row product is then bound by memory bandwidth.
 // Activations: each row, each group of 32 inputs quantized on its own:
 //   d = max|x| / 127, xq = round-half-even(x * (d > 0 ? 1/d : 0)) in -127..127, isum = sum(xq).
 // Output element (m, n), groups accumulated in order g = 0..G-1 in fp32:
@@ -26,7 +26,7 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;     // output channels per tile
 constexpr int64_t kChunk = 320;   // bytes per tile and group: 256 of codes, 32 of scales, 32 of mins
-constexpr int64_t kPrefetch = 2560;  // bytes ahead (8 chunks); measured best of 0 / 1280 / 2560 here
+int64_t g_prefetch = 5120;  // bytes ahead (16 chunks); see docs/BENCHMARKS.md §14 (tunable for measurements)
 int g_force_isa = 0;  // tests: 0 = the best this CPU has, 1 = AVX2, 2 = VNNI (256-bit), 3 = AVX-512
 
 // Per-row, per-group int8 quantization of x [M, K] (fp32, contiguous).
@@ -71,55 +71,81 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* d, f
 #pragma GCC pop_options
 
 // One tile (16 outputs) per 512-bit register where AVX-512 is there: the same per-lane
-// operations as q4_blocks.h (so the same results), half the instructions per output.
+// operations as q4_blocks.h (so the same results), half the instructions per output. Per row
+// and group: 8 vpdpbusd reading the row's 4 activation bytes by embedded broadcast (inline asm:
+// compilers emit a separate broadcast), 1 integer add, the float rescaling; the R rows of a
+// call share each unpacked chunk and keep their accumulators in registers (R a template
+// constant, so the row loop unrolls).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+static inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+template <int R>
+static void q4_tile_rows_avx512(const uint8_t* chunk, int64_t G, int64_t K, const int8_t* XQ, const float* D,
+                                const float* IS, const float* bias, float* Y, int64_t N) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g, chunk += kChunk) {
+    for (int64_t line = 0; line < kChunk; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
+    __m512i wv[8];
+    for (int r = 0; r < 4; ++r) {
+      const __m512i v = _mm512_loadu_si512(chunk + 64 * r);
+      wv[2 * r] = _mm512_and_si512(v, mask);
+      wv[2 * r + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 256)));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 288)));
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + g * kGroup);
+      // two independent integer chains (exact: their order does not matter), then one sum
+      __m512i i0 = dpbusd_bcst(_mm512_setzero_si512(), wv[0], x4 + 0);
+      __m512i i1 = dpbusd_bcst(_mm512_setzero_si512(), wv[1], x4 + 4);
+      i0 = dpbusd_bcst(i0, wv[2], x4 + 1);
+      i1 = dpbusd_bcst(i1, wv[3], x4 + 5);
+      i0 = dpbusd_bcst(i0, wv[4], x4 + 2);
+      i1 = dpbusd_bcst(i1, wv[5], x4 + 6);
+      i0 = dpbusd_bcst(i0, wv[6], x4 + 3);
+      i1 = dpbusd_bcst(i1, wv[7], x4 + 7);
+      const __m512 t = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)));
+      const __m512 u = _mm512_mul_ps(mn, _mm512_set1_ps(IS[i * G + g]));
+      acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_set1_ps(D[i * G + g]), _mm512_sub_ps(t, u)));
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    __m512 out = acc[i];
+    if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(Y + i * N, out);
+  }
+}
+
+template <int R>
+static void q4_rows_dispatch(int rows, const uint8_t* chunk, int64_t G, int64_t K, const int8_t* XQ, const float* D,
+                             const float* IS, const float* bias, float* Y, int64_t N) {
+  if constexpr (R > 0) {
+    if (rows == R) return q4_tile_rows_avx512<R>(chunk, G, K, XQ, D, IS, bias, Y, N);
+    return q4_rows_dispatch<R - 1>(rows, chunk, G, K, XQ, D, IS, bias, Y, N);
+  }
+}
+
+constexpr int64_t kMaxRows512 = 12;  // accumulators in registers: 12 + 8 weights + constants <= 32
+
 static void q4_tiles_avx512(int64_t tile_begin, int64_t tile_end, int64_t M, int64_t G, int64_t N,
                             const uint8_t* P, const int8_t* XQ, const float* D, const float* IS,
                             const float* B, float* Y) {
-  constexpr int64_t kMaxRows = 16;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   const int64_t K = G * kGroup;
-  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {  // up to 16 rows share each unpacked chunk
-      const int64_t rows = std::min(kMaxRows, M - m0);
-      __m512 acc[kMaxRows];
-      for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
-      const uint8_t* chunk = P + tile * G * kChunk;
-      for (int64_t g = 0; g < G; ++g, chunk += kChunk) {
-        for (int64_t line = 0; line < kChunk; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetch + line, _MM_HINT_T0);
-        __m512i wv[8];
-        for (int r = 0; r < 4; ++r) {
-          const __m512i v = _mm512_loadu_si512(chunk + 64 * r);
-          wv[2 * r] = _mm512_and_si512(v, mask);
-          wv[2 * r + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-        }
-        const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 256)));
-        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 288)));
-        for (int64_t i = 0; i < rows; ++i) {
-          const int64_t m = m0 + i;
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + m * K + g * kGroup);
-          __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_set1_epi32(x4[0]));
-          __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_set1_epi32(x4[4]));
-          __m512i i2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[2], _mm512_set1_epi32(x4[1]));
-          __m512i i3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[3], _mm512_set1_epi32(x4[5]));
-          i0 = _mm512_dpbusd_epi32(i0, wv[4], _mm512_set1_epi32(x4[2]));
-          i1 = _mm512_dpbusd_epi32(i1, wv[5], _mm512_set1_epi32(x4[6]));
-          i2 = _mm512_dpbusd_epi32(i2, wv[6], _mm512_set1_epi32(x4[3]));
-          i3 = _mm512_dpbusd_epi32(i3, wv[7], _mm512_set1_epi32(x4[7]));
-          const __m512i idot = _mm512_add_epi32(_mm512_add_epi32(i0, i1), _mm512_add_epi32(i2, i3));
-          const __m512 t = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(idot));
-          const __m512 u = _mm512_mul_ps(mn, _mm512_set1_ps(IS[m * G + g]));
-          acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_set1_ps(D[m * G + g]), _mm512_sub_ps(t, u)));
-        }
-      }
-      for (int64_t i = 0; i < rows; ++i) {
-        __m512 out = acc[i];
-        if (B) out = _mm512_add_ps(out, _mm512_loadu_ps(B + tile * kTile));
-        _mm512_storeu_ps(Y + (m0 + i) * N + tile * kTile, out);
-      }
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile)
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows512) {
+      const int rows = static_cast<int>(std::min(kMaxRows512, M - m0));
+      q4_rows_dispatch<kMaxRows512>(rows, P + tile * G * kChunk, G, K, XQ + m0 * K, D + m0 * G, IS + m0 * G,
+                                    B ? B + tile * kTile : nullptr, Y + m0 * N + tile * kTile, N);
     }
-  }
 }
 #pragma GCC pop_options
 
@@ -166,5 +192,6 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "4-bit weight x per-group int8 activation linear (batch invariant)");
   m.def("uses_vnni", []() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"); });
+  m.def("set_prefetch", [](int64_t bytes) { g_prefetch = bytes; }, "measurements: software prefetch distance in bytes");
   m.def("force_isa", [](int isa) { g_force_isa = isa; }, "tests: 0 = auto, 1 = AVX2, 2 = VNNI 256-bit, 3 = AVX-512");
 }

@@ -25,7 +25,7 @@ static void Q4_CAT(q4_tiles, Q4_SUFFIX)(int64_t tile_begin, int64_t tile_end, in
         for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
         const uint8_t* chunk = P + tile * G * kChunk;
         for (int64_t g = 0; g < G; ++g, chunk += kChunk) {
-          for (int64_t line = 0; line < kChunk; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetch + line, _MM_HINT_T0);
+          for (int64_t line = 0; line < kChunk; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
           __m256i wv[8];
           for (int r = 0; r < 4; ++r) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * r + 32 * h));

@@ -183,3 +183,16 @@ def test_tree_mask_branches_equal_their_chains(arch):
     cache = model.new_cache(1, 64)
     model(prompt, cache)
     assert torch.equal(path, model(block, cache))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 7, 896), (2, 5, 1536)])
+def test_fused_rms_norm_gives_the_formula_bits(shape):
+    """The runtime uses torch's fused rms_norm for fp32 llama-family norms: the same bits as the
+    written-out formula (which bf16 and Gemma keep), so no logits move with the choice."""
+    from specdec.runtime.model import rms_norm
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    xf = x.float()
+    formula = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.equal(rms_norm(x, w, 1e-6, False), formula)

@@ -55,6 +55,10 @@ class KVCache:
             )
         return slots
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer, ``[B, H, capacity, D]`` each (views)."""
+        return self._k[layer, : self.batch], self._v[layer, : self.batch]
+
     def common_start(self, slots: torch.Tensor) -> int | None:
         """The first slot of a block ``slots`` ``[B, T]`` when every row writes at the same one
         (the common case: one contiguous copy per layer), else None. Once per forward call."""
@@ -65,7 +69,7 @@ class KVCache:
               common_start: int | None) -> None:
         """Store ``k_new``/``v_new`` ``[B, H, T, D]`` at ``slots`` ``[B, T]`` of ``layer``;
         ``common_start`` is :meth:`common_start` of ``slots``."""
-        k, v = self._k[layer, : self.batch], self._v[layer, : self.batch]  # [B, H, capacity, D]
+        k, v = self.layer(layer)  # [B, H, capacity, D]
         if common_start is not None:
             t = slots.shape[1]
             k[:, :, common_start : common_start + t] = k_new

@@ -27,6 +27,8 @@ from specdec.runtime.linear import LinearBuilder, activation_dtype
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    if not gemma and x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one op, the same bits as below (tested)
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if gemma:  # Gemma multiplies in fp32 by (1 + w) before casting back
@@ -35,18 +37,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
 
 
 def rope_tables(theta: float, head_dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and the signed ``sin`` tables ``[P, D]`` of :func:`apply_rope`: ``sin`` with its
+    first half negated, so that rotating is ``x * cos + roll(x, D/2) * sin``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)  # [P, D/2]
     emb = torch.cat([freqs, freqs], -1)  # [P, D]
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    sin[:, : head_dim // 2].neg_()
+    return emb.cos(), sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[..., D]``; cos/sin broadcastable to it, e.g. x ``[B, T, H, D]`` with ``[B, T, 1, D]``
-    (rotate-half convention, as in transformers)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    """Rotary embedding, rotate-half convention as in transformers: ``x * cos + rotate_half(x) *
+    sin`` with ``rotate_half(x) = [-x2, x1]``. Written as ``x * cos + [x2, x1] * sin_signed``
+    (``sin`` from :func:`rope_tables`, first half negated): the same products, since
+    ``(-a) * b == a * (-b)`` exactly, in 4 ops instead of 8. x ``[..., D]``; cos/sin broadcastable
+    to it, e.g. x ``[B, T, H, D]`` with ``[B, T, 1, D]``."""
+    xf = x.float()
+    return (xf * cos + torch.roll(xf, x.shape[-1] // 2, -1) * sin).to(x.dtype)
 
 
 class Block(torch.nn.Module):
@@ -87,7 +95,7 @@ class Block(torch.nn.Module):
         cfg = self.cfg
         bsz, t, _ = x.shape
         h = self._norm("input_layernorm", x)
-        qkv = self.qkv(h).to(x.dtype)  # [B, T, (Hq + 2 Hkv) D]
+        qkv = self.qkv(h)  # [B, T, (Hq + 2 Hkv) D]; every linear returns the activation dtype
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         heads = cfg.num_heads + cfg.num_kv_heads
         cos, sin = rope["local" if self.sliding else "global"]  # [B, T, 1, D]
@@ -100,12 +108,12 @@ class Block(torch.nn.Module):
             qk = apply_rope(qkv[..., : q_size + kv_size].view(bsz, t, heads, cfg.head_dim), cos, sin)  # [B, T, Hq+Hkv, D]
             q, k = qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads :]  # [B, T, Hq, D], [B, T, Hkv, D]
         v = qkv[..., q_size + kv_size :].view(bsz, t, cfg.num_kv_heads, cfg.head_dim)
-        cache.write(self.layer, k.transpose(1, 2).to(cache.k.dtype), v.transpose(1, 2).to(cache.v.dtype), slots, common_start)
+        cache.write(self.layer, k.transpose(1, 2), v.transpose(1, 2), slots, common_start)  # cast on copy
         scale = cfg.query_pre_attn_scalar**-0.5 if cfg.is_gemma else 1.0 / math.sqrt(cfg.head_dim)
-        attn = attention.attend(q, cache.k[self.layer], cache.v[self.layer],
-                                visible["local" if self.sliding else "global"], scale)  # [B, T, Hq, D]
+        keys, values = cache.layer(self.layer)  # [B, Hkv, capacity, D]
+        attn = attention.attend(q, keys, values, visible["local" if self.sliding else "global"], scale)  # [B, T, Hq, D]
         attn = attn.reshape(bsz, t, q_size)
-        out = self.o(attn).to(x.dtype)
+        out = self.o(attn)
         if cfg.is_gemma:
             out = self._norm("post_attention_layernorm", out)
             x = x + out
@@ -113,9 +121,9 @@ class Block(torch.nn.Module):
         else:
             x = x + out
             h = self._norm("post_attention_layernorm", x)
-        gate, up = self.gate_up(h).to(x.dtype).chunk(2, dim=-1)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if cfg.is_gemma else F.silu(gate)
-        mlp = self.down(act * up).to(x.dtype)
+        mlp = self.down(act * up)
         if cfg.is_gemma:
             mlp = self._norm("post_feedforward_layernorm", mlp)
         return x + mlp

@@ -166,9 +166,7 @@ class Q4Linear(torch.nn.Module):
         self._k = kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float().contiguous()  # [M, K]
-        y = self._k.q4_linear(x2, self.packed, self.bias)  # [M, N16]
-        if y.shape[1] != self.out_features:
-            y = y[:, : self.out_features]
-        return y.reshape(*shape[:-1], self.out_features)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        y = self._k.q4_linear(x, self.packed, self.bias)  # [..., N16]
+        return y if y.shape[-1] == self.out_features else y[..., : self.out_features]

@@ -151,15 +151,18 @@ static void q4_tiles_avx512(int64_t tile_begin, int64_t tile_end, int64_t M, int
 
 }  // namespace
 
-// x [M, K] fp32 -> y [M, N] fp32, N = 16 * tiles. bias may be empty.
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be [M, K] contiguous fp32");
+// x [..., K] fp32 -> y [..., N] fp32, N = 16 * tiles. bias may be empty.
+torch::Tensor q4_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor bias) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == torch::kFloat && x_in.is_contiguous(), "x must be [..., K] contiguous fp32");
+  auto x = x_in.view({-1, x_in.size(-1)});
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kChunk && packed.scalar_type() == torch::kByte && packed.is_contiguous(),
               "packed must be [N/16, G, 320] contiguous uint8");
   const int64_t M = x.size(0), K = x.size(1), NT = packed.size(0), G = packed.size(1), N = NT * kTile;
   TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat), "bias must be [N/16*16] fp32");
-  auto y = torch::empty({M, N}, x.options());
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  auto y = torch::empty(out_shape, x.options());
   if (M == 0) return y;
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
   auto d = torch::empty({M, G}, x.options());

@@ -369,6 +369,11 @@ def _read_prompts(prompts: list[str]) -> list[str]:
     return texts
 
 
+def _print_text(row: int, text: str) -> None:
+    """Streams a single prompt's text to stdout as it is committed."""
+    print(text, end="", flush=True)
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from specdec.api import TextGenerator
     from specdec.sampling import SamplingParams
@@ -381,10 +386,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     k = (args.k if args.k is not None else "auto") if proposer else 0
     gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
     prompts = [gen.encode(t, args.chat, args.system) for t in texts]
-    stream = None
-    if not args.json and len(prompts) == 1:
-        def stream(row: int, text: str) -> None:
-            print(text, end="", flush=True)
+    stream = _print_text if not args.json and len(prompts) == 1 else None
     results = gen.generate(prompts, params, args.max_new_tokens, k=k, seed=args.seed,
                            stop=args.stop, on_text=stream, proposer=proposer or "none", k_max=args.k_max or 8,
                            ngram=(args.ngram_min or 2, args.ngram_max or 4), exit_layer=args.exit_layer)

@@ -61,7 +61,6 @@ class AcceptanceStats:
         out = AcceptanceStats(max(self.k_max, other.k_max), self.calls + other.calls, self.drafted + other.drafted,
                               self.accepted + other.accepted, self.full_accepts + other.full_accepts,
                               scored=self.scored + other.scored)
-        n = max(len(self.first_rejection), len(other.first_rejection))
         out.first_rejection = _add(self.first_rejection, other.first_rejection)
         out.reached_at = _add(self.reached_at, other.reached_at)
         out.accepted_at = _add(self.accepted_at, other.accepted_at)

@@ -1,7 +1,8 @@
 """Runtime benchmark: our plain decoding vs transformers ``generate()``, and forward-cost scaling.
 
 Usage: ``python -m specdec.bench.runtime_bench [--target NAME] [--dtype int8] [--tokens 64] [--runs 3]``
-or ``python -m specdec.bench.runtime_bench --compare-dtypes int8,q4`` (our dtypes side by side).
+or ``python -m specdec.bench.runtime_bench --compare-dtypes int8,q4`` (our dtypes side by side, with
+the prefill of a 500-token prompt next to transformers int8 and, when installed, llama.cpp).
 Prints a Markdown table and, with --out, writes the raw numbers as JSON.
 """
 
@@ -69,6 +70,49 @@ def agreement_with_fp32(target: str, dtypes: list[str], prompts: list[str], posi
     return out
 
 
+def prefill_rate(run, repeats: int = 3) -> float:
+    """Median seconds of ``run()`` (one prefill), after one warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def prefill_side_by_side(target: str, dtypes: list[str], tokens: int = 500) -> dict[str, float]:
+    """Tokens/s of one ``tokens``-token prefill (random ids, logits of the last position): our
+    dtypes, transformers with int8 dynamic quantization, and llama.cpp on the GGUF file if the
+    extra is installed — same threads, one process."""
+    from specdec.bench import llamacpp
+
+    ids = torch.randint(0, 10_000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    out = {}
+    source = None
+    for dtype in dtypes:
+        loaded = TextGenerator.load(target, dtype=dtype).target
+        model, source = loaded.model, loaded.source_dir
+        last = torch.tensor([[tokens - 1]])
+        out[f"specdec {dtype}"] = tokens / prefill_rate(lambda: model(ids, model.new_cache(1, tokens), logit_index=last))
+    hf = load_hf(source, "int8")
+    with torch.inference_mode():
+        out["transformers int8"] = tokens / prefill_rate(lambda: hf(ids, logits_to_keep=1))
+    if llamacpp.available():
+        from llama_cpp import Llama
+
+        threads = torch.get_num_threads()
+        llm = Llama(model_path=str(llamacpp.gguf_file(target)), n_threads=threads, n_threads_batch=threads,
+                    n_ctx=tokens + 16, verbose=False)
+
+        def run() -> None:
+            llm.reset()
+            llm.eval(ids[0].tolist())
+
+        out["llama.cpp (same GGUF)"] = tokens / prefill_rate(run)
+    return out
+
+
 def compare_dtypes(target: str, dtypes: list[str], tokens: int, runs: int) -> None:
     """Plain greedy decoding and forward-cost scaling per dtype, side by side in one process."""
     rows = {}
@@ -92,6 +136,10 @@ def compare_dtypes(target: str, dtypes: list[str], tokens: int, runs: int) -> No
         q = quality[dtype]
         print(f"| {dtype} | {t:.2f} | {tp * 1e3:.1f} | {t / base:.2f}x | {sc[1] * 1e3:.1f} | {sc[5] / sc[1]:.2f}x "
               f"| {sc[9] / sc[1]:.2f}x | {q['argmax_agreement']:.1%} | {q['mean_tv']:.3f} |")
+    prefill = prefill_side_by_side(target, dtypes)
+    print("\n| runtime | prefill of a 500-token prompt, tok/s |\n|---|---|")
+    for name, rate in prefill.items():
+        print(f"| {name} | {rate:.0f} |")
 
 
 def main() -> None:

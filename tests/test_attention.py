@@ -119,3 +119,10 @@ def test_bad_visibility_is_a_clear_error(bad, match):
     q, k, v = _qkv(4)
     with pytest.raises(RuntimeError, match=match):
         attention.attend(q, k, v, bad(CASES["chain"]()), 0.2)
+
+
+@pytest.mark.parametrize("hq, hkv", [(3, 3), (7, 1), (12, 2), (9, 1)])  # 1, 7, 6 heads per kv head; 9: the generic loop
+def test_every_group_size_matches_the_reference(hq, hkv, code_path):
+    q, k, v = _qkv(hq * hkv, b=2, t=3, hq=hq, hkv=hkv, s=40)
+    vis = attention.chain(torch.tensor([4, 20]), 3)
+    assert torch.equal(attention.attend(q, k, v, vis, 0.3), attention.reference_attend(q, k, v, vis, 0.3))

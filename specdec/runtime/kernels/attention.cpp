@@ -90,6 +90,37 @@ inline __m512 exp16_avx512(__m512 x) {
 }
 #endif
 
+#ifdef __AVX512F__
+// acc[r][d] = sum over j in order of p[r][j] * v_j[d] (the plain loop's operations, per element),
+// 16 outputs at a time with the REP heads' accumulators in registers: each value row is loaded
+// once per 16 lanes for all heads.
+template <int REP>
+void pv_rep(const float* p, const float* vbase, const int64_t* slot, int64_t n, int64_t D, float* acc) {
+  for (int64_t c = 0; c < D; c += kLanes) {
+    __m512 a[REP];
+    for (int r = 0; r < REP; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 v = _mm512_loadu_ps(vbase + slot[j] * D + c);
+      for (int r = 0; r < REP; ++r) a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(_mm512_set1_ps(p[r * n + j]), v));
+    }
+    for (int r = 0; r < REP; ++r) _mm512_storeu_ps(acc + r * D + c, a[r]);
+  }
+}
+
+void pv_avx512(int64_t rep, const float* p, const float* vbase, const int64_t* slot, int64_t n, int64_t D, float* acc) {
+  switch (rep) {
+    case 1: return pv_rep<1>(p, vbase, slot, n, D, acc);
+    case 2: return pv_rep<2>(p, vbase, slot, n, D, acc);
+    case 3: return pv_rep<3>(p, vbase, slot, n, D, acc);
+    case 4: return pv_rep<4>(p, vbase, slot, n, D, acc);
+    case 5: return pv_rep<5>(p, vbase, slot, n, D, acc);
+    case 6: return pv_rep<6>(p, vbase, slot, n, D, acc);
+    case 7: return pv_rep<7>(p, vbase, slot, n, D, acc);
+    default: return pv_rep<8>(p, vbase, slot, n, D, acc);
+  }
+}
+#endif
+
 // One (row, query, kv head) item: the `rep` query heads sharing the kv head.
 // scores: [rep, n] scratch. q: the first query head's vector; consecutive heads are D apart.
 void attend_item(const float* q, const float* kbase, const float* vbase, float* o, int64_t rep, int64_t D,
@@ -123,12 +154,19 @@ void attend_item(const float* q, const float* kbase, const float* vbase, float* 
   }
   for (int64_t j = 0; j < n; ++j)  // in j order per head; the heads are independent chains
     for (int64_t r = 0; r < rep; ++r) sum[r] = sum[r] + scores[r * n + j];
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vp = vbase + slot[j] * D;
-    for (int64_t r = 0; r < rep; ++r) {
-      const float p = scores[r * n + j];
-      float* a = acc.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) a[d] = a[d] + p * vp[d];
+#ifdef __AVX512F__
+  if (wide && rep <= 8) {
+    pv_avx512(rep, scores.data(), vbase, slot, n, D, acc.data());
+  } else
+#endif
+  {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vp = vbase + slot[j] * D;
+      for (int64_t r = 0; r < rep; ++r) {
+        const float p = scores[r * n + j];
+        float* a = acc.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) a[d] = a[d] + p * vp[d];
+      }
     }
   }
   for (int64_t r = 0; r < rep; ++r)

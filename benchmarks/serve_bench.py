@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from specdec.bench.suite import load_workloads
+from specdec.bench.jobs import load_workloads
 from specdec.models import registry
 
 

@@ -482,7 +482,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from specdec.bench.suite import ALL_METHODS, QUICK_METHODS
+    from specdec.bench.jobs import ALL_METHODS, QUICK_METHODS
     from specdec.models import registry
 
     p = sub.add_parser(
@@ -513,7 +513,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specdec.bench.suite import ALL_METHODS, QUICK_METHODS, known_method, run_bench
+    from specdec.bench.jobs import ALL_METHODS, QUICK_METHODS, known_method, run_bench
 
     methods = args.methods.split(",") if args.methods else (QUICK_METHODS if args.quick else ALL_METHODS)
     unknown = [m for m in methods if not known_method(m)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from specdec.bench import suite
+from specdec.bench import jobs, plots, report
+from specdec.bench.report import write_report
 from specdec.metrics import AcceptanceStats
 
 
@@ -28,14 +29,15 @@ def test_report_tables_greedy_check_and_plots(tmp_path):
         _run("hf_assisted", "code", 0, 0.0, 9.0, [1, 2, 4]),
     ]
     runs[2]["metrics"].update(ttft_s=0.5, tpot_s=0.04, total_s=2.0, time_breakdown_s={"draft": 0.1})
-    report = suite.write_report({"runs": runs, "environment": {
+    text = report.write_report({"runs": runs, "environment": {
         "date": "x", "target": "t", "draft": "d", "dtype": "int8", "max_new_tokens": 3, "torch": "x",
-        "transformers": "x", "cores": 2}}, tmp_path)
-    assert "| ngram | 2.50x | 2.50x |" in report  # 25 / 10
-    assert "draft_auto / code #0: differs from its plain decoding at token 1" in report
-    assert "specdec speculative: 1 of 4 greedy runs differ from `plain` (3 identical):" in report
-    assert "transformers assisted / prompt-lookup: all 1 greedy runs are token-identical to `hf_plain`." in report
-    assert "| ngram | 0.0 | 500 | 40.0 | 25.00 | 5.0% |" in report  # the time table
+        "transformers": "x", "cores": 2}}, plots.write_plots(runs, tmp_path))
+    assert "| ngram | 2.50x | 2.50x |" in text  # 25 / 10
+    assert "draft_auto / code #0: differs from its plain decoding at token 1" in text
+    assert "specdec speculative: 1 of 4 greedy runs differ from `plain` (3 identical):" in text
+    assert "transformers assisted / prompt-lookup: all 1 greedy runs are token-identical to `hf_plain`." in text
+    assert "| ngram | 0.0 | 500 | 40.0 | 25.00 | 5.0% |" in text  # the time table
+    assert "![speedup_vs_k](speedup_vs_k.png)" in text
     for name in ["speedup_by_category.png", "first_rejection.png", "speedup_vs_k.png"]:
         assert (tmp_path / name).stat().st_size > 1000
 
@@ -43,27 +45,27 @@ def test_report_tables_greedy_check_and_plots(tmp_path):
 def test_resume_skips_finished_runs(tmp_path, monkeypatch):
     """Runs already in runs.jsonl are not repeated (nothing is loaded when nothing is left)."""
     workloads = {"code": {"grounded": True, "prompts": ["p0"]}}
-    monkeypatch.setattr(suite, "load_workloads", lambda: workloads)
+    monkeypatch.setattr(jobs, "load_workloads", lambda: workloads)
     with open(tmp_path / "runs.jsonl", "w") as f:
         f.write(json.dumps(_run("plain", "code", 0, 0.0, 10.0, [1])) + "\n")
 
     def no_bench(*a, **kw):
         raise AssertionError("nothing should have been run")
 
-    monkeypatch.setattr(suite, "Bench", no_bench)
-    results = suite.run_bench(tmp_path, ["plain"], [0.0], None, "t", "d", "int8", 1, 4, 8)
+    monkeypatch.setattr(jobs, "Bench", no_bench)
+    results = jobs.run_bench(tmp_path, ["plain"], [0.0], None, "t", "d", "int8", 1, 4, 8)
     assert len(results["runs"]) == 1
     assert (tmp_path / "report.md").exists() and (tmp_path / "results.json").exists()
 
 
 def test_llamacpp_methods_are_skipped_and_said_so_without_the_extra(tmp_path, monkeypatch):
     workloads = {"code": {"grounded": True, "prompts": ["p0"]}}
-    monkeypatch.setattr(suite, "load_workloads", lambda: workloads)
-    monkeypatch.setattr(suite.llamacpp, "available", lambda: False)
+    monkeypatch.setattr(jobs, "load_workloads", lambda: workloads)
+    monkeypatch.setattr(jobs.llamacpp, "available", lambda: False)
     with open(tmp_path / "runs.jsonl", "w") as f:
         f.write(json.dumps(_run("plain", "code", 0, 0.0, 10.0, [1])) + "\n")
-    monkeypatch.setattr(suite, "Bench", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("nothing to run")))
-    results = suite.run_bench(tmp_path, ["plain", "llamacpp_plain", "llamacpp_spec"], [0.0], None, "t", "d", "int8",
+    monkeypatch.setattr(jobs, "Bench", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("nothing to run")))
+    results = jobs.run_bench(tmp_path, ["plain", "llamacpp_plain", "llamacpp_spec"], [0.0], None, "t", "d", "int8",
                               1, 4, 8)
     assert [r["method"] for r in results["runs"]] == ["plain"]
     report = (tmp_path / "report.md").read_text()
@@ -80,9 +82,9 @@ def test_llamacpp_greedy_check_and_block_costs_in_the_report(tmp_path):
     peer = {"prefix_tokens": 40,
             "specdec": {"eval_ms": {"1": 50.0, "5": 75.0}, "ratio": 1.5, "logit_max_diff": 0.0},
             "llama.cpp": {"eval_ms": {"1": 36.0, "5": 108.0}, "ratio": 3.0, "logit_max_diff": 0.52}}
-    report = suite.write_report({"runs": runs, "peer_costs": peer, "notes": [], "environment": {
+    report = write_report({"runs": runs, "peer_costs": peer, "notes": [], "environment": {
         "date": "x", "target": "t", "draft": "d", "dtype": "q4", "max_new_tokens": 3, "torch": "x",
-        "transformers": "x", "cores": 2}}, tmp_path)
+        "transformers": "x", "cores": 2}}, [])
     assert "specdec speculative: all 1 greedy runs are token-identical to `plain`." in report
     assert "llama.cpp prompt-lookup speculation: 1 of 1 greedy runs differ from `llamacpp_plain`" in report
     assert "| llamacpp_plain | 2.00x | 2.00x |" in report
@@ -91,7 +93,7 @@ def test_llamacpp_greedy_check_and_block_costs_in_the_report(tmp_path):
 
 
 def test_workloads_have_six_categories_of_eight():
-    w = suite.load_workloads()
+    w = jobs.load_workloads()
     assert len(w) >= 6 and all(len(c["prompts"]) >= 8 for c in w.values())
 
 

@@ -12,7 +12,7 @@ prompt set, recommend k, and check the prediction against a measured run.
 from __future__ import annotations
 
 from specdec.adaptive import best_k, expected_tokens
-from specdec.bench.runtime_bench import forward_scaling
+from specdec.bench.measure import forward_scaling
 
 
 def _decode_rate(results) -> float:

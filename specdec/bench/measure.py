@@ -1,9 +1,18 @@
-"""Runtime benchmark: our plain decoding vs transformers ``generate()``, and forward-cost scaling.
+"""Runtime measurements, each side by side in one process (speculation is measured by
+``specdec bench``; the server by ``benchmarks/serve_bench.py``):
 
-Usage: ``python -m specdec.bench.runtime_bench [--target NAME] [--dtype int8] [--tokens 64] [--runs 3]``
-or ``python -m specdec.bench.runtime_bench --compare-dtypes int8,q4`` (our dtypes side by side, with
-the prefill of a 500-token prompt next to transformers int8 and, when installed, llama.cpp).
-Prints a Markdown table and, with --out, writes the raw numbers as JSON.
+    python -m specdec.bench.measure runtime [--target NAME] [--dtype int8] [--tokens 64] [--runs 3]
+        our plain decoding vs transformers ``generate()`` at one dtype, and forward-cost scaling
+    python -m specdec.bench.measure dtypes --dtypes int8,q4 [--runs 3]
+        our dtypes side by side: speed, 1/5/9-token forwards, quality against fp32, and the
+        prefill of a 500-token prompt next to transformers int8 and (when installed) llama.cpp
+    python -m specdec.bench.measure step
+        where one decoding step's time goes: q4 GEMM vs everything else, op count, host syncs
+    python -m specdec.bench.measure toy [--tokens 100000] [--repeats 3]
+        the toy experiment: scalar reference loop vs batched --fast mode
+
+(transformers' assisted generation against our draft model, which ``spec_bench`` used to measure,
+is ``specdec bench --methods hf_plain,hf_assisted,plain,draft``.)
 """
 
 from __future__ import annotations
@@ -15,7 +24,9 @@ import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+import specdec.runtime.q4 as q4
 from specdec.api import TextGenerator
 from specdec.bench.hf import hf_generate, load_hf
 from specdec.bench.prompts import CODE_PROMPTS
@@ -142,35 +153,26 @@ def compare_dtypes(target: str, dtypes: list[str], tokens: int, runs: int) -> No
         print(f"| {name} | {rate:.0f} |")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=registry.DEFAULT_TARGET)
-    ap.add_argument("--dtype", default="int8", choices=["int8", "q4", "float32", "bfloat16"])
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--out", default=None, help="write JSON results here")
-    ap.add_argument("--compare-dtypes", default=None, help="e.g. int8,q4: our dtypes side by side (speed, scaling, quality vs fp32)")
-    args = ap.parse_args()
-    if args.compare_dtypes:
-        compare_dtypes(args.target, args.compare_dtypes.split(","), args.tokens, args.runs)
-        return
+def runtime_vs_transformers(target: str, dtype: str, tokens: int, runs: int, out: str | None) -> None:
+    """Our plain greedy decoding against transformers ``generate()`` at the same dtype, and the
+    forward-cost scaling of our runtime."""
 
-    gen = TextGenerator.load(args.target, dtype=args.dtype)
-    hf = load_hf(gen.target.source_dir, args.dtype)
+    gen = TextGenerator.load(target, dtype=dtype)
+    hf = load_hf(gen.target.source_dir, dtype)
     ours_tps, hf_tps, same = [], [], []
-    for run in range(args.runs):
+    for run in range(runs):
         prompt = gen.encode(CODE_PROMPTS[run % len(CODE_PROMPTS)], chat=True)
         t = time.perf_counter()
-        row = generate(gen.target.model, [prompt], SamplingParams(temperature=0.0), args.tokens)[0]
+        row = generate(gen.target.model, [prompt], SamplingParams(temperature=0.0), tokens)[0]
         ours_s = time.perf_counter() - t
-        hf_ids, hf_s = hf_generate(hf, prompt, args.tokens)
-        ours_tps.append(args.tokens / ours_s)
-        hf_tps.append(args.tokens / hf_s)
+        hf_ids, hf_s = hf_generate(hf, prompt, tokens)
+        ours_tps.append(tokens / ours_s)
+        hf_tps.append(tokens / hf_s)
         same.append(row.token_ids == hf_ids)
         print(f"run {run + 1}: ours {ours_tps[-1]:.2f} tok/s, transformers {hf_tps[-1]:.2f} tok/s, same tokens: {same[-1]}")
     scaling = forward_scaling(gen.target.model)
     o, h = statistics.median(ours_tps), statistics.median(hf_tps)
-    print(f"\n## {gen.target.name}, {args.dtype}, {args.tokens} greedy tokens, median of {args.runs} runs\n")
+    print(f"\n## {gen.target.name}, {dtype}, {tokens} greedy tokens, median of {runs} runs\n")
     print("| decoder | tok/s | ratio |\n|---|---|---|")
     print(f"| specdec plain | {o:.2f} | {o / h:.2f}x |\n| transformers generate() | {h:.2f} | 1.00x |")
     print("\n| new tokens in one forward (200-token context) | ms | vs 1 token |\n|---|---|---|")
@@ -178,11 +180,115 @@ def main() -> None:
         print(f"| {n} | {s * 1e3:.1f} | {s / scaling[1]:.2f}x |")
     print(f"\ngreedy outputs identical to transformers in {sum(same)}/{len(same)} runs "
           "(int8 kernels differ: ours quantize activations per row, transformers' per tensor)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"target": gen.target.name, "dtype": args.dtype, "tokens": args.tokens,
+    if out:
+        with open(out, "w") as f:
+            json.dump({"target": gen.target.name, "dtype": dtype, "tokens": tokens,
                        "ours_tok_s": ours_tps, "hf_tok_s": hf_tps, "forward_s": scaling,
                        "same_tokens": same, "torch": torch.__version__, "cpu": platform.processor()}, f, indent=1)
+
+
+GEMM = [0.0, 0]  # seconds, calls
+
+
+class _Timed:
+    """The q4 kernel module with each call timed (the profiler does not see pybind calls)."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def q4_linear(self, *args):
+        t = time.perf_counter()
+        y = self.module.q4_linear(*args)
+        GEMM[0] += time.perf_counter() - t
+        GEMM[1] += 1
+        return y
+
+
+def step_profile() -> None:
+    """Where one decoding step's time goes, for the default target and draft (q4), after a
+    300-token prefix, one forward over n = 1 and n = 5 new tokens (a plain step and a k = 4
+    verification): wall time (median of 9), time inside the q4 kernel (timed around each call),
+    torch ops and ``item()`` host syncs (torch.profiler, 5 steps)."""
+    build = q4.kernel
+    q4.kernel = lambda: _Timed(build())
+    gen = TextGenerator.load("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "q4", head=None)
+    print("| model | tokens | wall ms | q4 GEMM ms (calls) | other ms | torch ops | host syncs |")
+    print("|---|---|---|---|---|---|---|")
+    for name, model in [("1.5B target", gen.target.model), ("0.5B draft", gen.draft.model)]:
+        torch.manual_seed(0)
+        cache = model.new_cache(1, 600)
+        model(torch.randint(0, 1000, (1, 300)), cache)
+        prefix = cache.lengths.clone()
+        for n in (1, 5):
+            block = torch.randint(0, 1000, (1, n))
+
+            def step():
+                cache.truncate(prefix)
+                model(block, cache)
+
+            for _ in range(3):
+                step()
+            times = []
+            for _ in range(9):
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+            wall = statistics.median(times)
+            GEMM[0], GEMM[1] = 0.0, 0
+            for _ in range(5):
+                step()
+            gemm, calls = GEMM[0] / 5, GEMM[1] / 5
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    step()
+            stats = {e.key: e.count for e in prof.key_averages()}
+            ops = sum(c for k, c in stats.items() if k.startswith("aten::")) / 5
+            syncs = stats.get("aten::item", 0) / 5
+            print(f"| {name} | {n} | {wall * 1e3:.1f} | {gemm * 1e3:.1f} ({calls:.0f}) | {(wall - gemm) * 1e3:.1f} "
+                  f"| {ops:.0f} | {syncs:.0f} |")
+
+
+def toy_fast_vs_reference(tokens: int, repeats: int) -> None:
+    """The toy experiment's two modes simulating the same number of tokens (plain target sampling
+    + speculative sampling) on the seed pair; the ratio of medians."""
+    from specdec.toy import run_fast, run_reference
+
+    ref, fast = [], []
+    for i in range(repeats):
+        ref.append(run_reference(tokens=tokens).seconds)
+        fast.append(run_fast(tokens=tokens, speculative_seed=303 + i).seconds)
+        print(f"run {i + 1}: reference {ref[-1]:.3f} s, fast {fast[-1]:.4f} s")
+    r, f = statistics.median(ref), statistics.median(fast)
+    print(f"median reference {r:.3f} s, median fast {f:.4f} s, fast/reference speed ratio {r / f:.0f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    rt = sub.add_parser("runtime", help="our plain decoding vs transformers generate(), forward scaling")
+    rt.add_argument("--target", default=registry.DEFAULT_TARGET)
+    rt.add_argument("--dtype", default="int8", choices=["int8", "q4", "float32", "bfloat16"])
+    rt.add_argument("--tokens", type=int, default=64)
+    rt.add_argument("--runs", type=int, default=3)
+    rt.add_argument("--out", default=None, help="write JSON results here")
+    dt = sub.add_parser("dtypes", help="our dtypes side by side: speed, scaling, quality vs fp32, prefill")
+    dt.add_argument("--target", default=registry.DEFAULT_TARGET)
+    dt.add_argument("--dtypes", default="int8,q4")
+    dt.add_argument("--tokens", type=int, default=64)
+    dt.add_argument("--runs", type=int, default=3)
+    sub.add_parser("step", help="where one decoding step's time goes (default target and draft, q4)")
+    toy = sub.add_parser("toy", help="the toy experiment: reference loop vs --fast mode")
+    toy.add_argument("--tokens", type=int, default=100_000)
+    toy.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if args.what == "runtime":
+        runtime_vs_transformers(args.target, args.dtype, args.tokens, args.runs, args.out)
+    elif args.what == "dtypes":
+        compare_dtypes(args.target, args.dtypes.split(","), args.tokens, args.runs)
+    elif args.what == "step":
+        step_profile()
+    else:
+        toy_fast_vs_reference(args.tokens, args.repeats)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,192 @@
+"""``specdec bench``: the project's benchmark — every method side by side, on one machine, in one run.
+
+This module owns the jobs (methods, workloads, running and resuming); :mod:`specdec.bench.report`
+writes the Markdown report and :mod:`specdec.bench.plots` the figures.
+
+Methods (``--methods``, comma-separated):
+
+* ``hf_plain``, ``hf_assisted``, ``hf_prompt_lookup`` — transformers ``generate()`` on the same
+  weights and dtype (int8: ``quantize_dynamic``), plain / with the draft model / prompt lookup;
+* ``plain`` — our plain decoding;
+* ``draft``, ``draft_auto``, ``ngram``, ``early_exit``, ``hybrid`` — our speculative variants
+  (``draft`` with fixed ``--k``, the others with adaptive k);
+* ``head``, ``head_auto``, ``hybrid_head`` — the target's draft head (fixed ``--k`` / adaptive k /
+  with n-gram lookup when it matches, adaptive k);
+* ``suffix``, ``head_tree``, ``hybrid_tree`` — candidate trees (suffix lookup / the head's dynamic
+  trees / suffix when it matches, else head trees), node budget chosen each step;
+* ``ngram_kN`` / ``draft_kN`` / ``head_kN`` / ``head_tree_kN`` — fixed k = N (for trees: N nodes);
+* ``llamacpp_plain``, ``llamacpp_spec`` — llama.cpp on the same GGUF file and threads, plain and
+  with its prompt-lookup speculation (optional extra; see :mod:`specdec.bench.llamacpp`). Without
+  the extra they are skipped and the report says so. With them, the report also compares the two
+  runtimes' cost of evaluating 5 tokens against 1 and how far a token's logits move between the two.
+
+Every run is appended to ``runs.jsonl`` in ``--out`` as soon as it finishes, and a rerun skips
+runs already there, so an interrupted bench resumes. At the end ``results.json`` (all runs, the
+three metric classes, the environment), ``report.md`` and PNG plots are written.
+
+Speed-up is end-to-end tokens per second (prefill included) relative to our plain decoding and
+to transformers' plain decoding on the same prompt and temperature; each method's figure per
+category is the median over the category's prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec.bench import llamacpp
+from specdec.bench.plots import write_plots
+from specdec.bench.report import write_report
+from specdec.sampling import SamplingParams
+
+ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",
+               "early_exit", "hybrid", "ngram_k1", "ngram_k2", "ngram_k4", "ngram_k8",
+               "draft_k1", "draft_k2", "draft_k4", "draft_k8", "head", "head_auto", "hybrid_head",
+               "suffix", "head_tree", "hybrid_tree", "llamacpp_plain", "llamacpp_spec"]
+QUICK_METHODS = ["hf_plain", "hf_assisted", "plain", "draft_auto", "ngram", "hybrid", "ngram_k2", "ngram_k8"]
+
+
+FIXED_K = ("ngram", "draft", "head", "head_tree")  # methods that also run as NAME_kN (k = N)
+
+
+def known_method(method: str) -> bool:
+    if method in ALL_METHODS:
+        return True
+    name, _, k = method.rpartition("_k")
+    return name in FIXED_K and k.isdigit() and int(k) >= 1
+
+
+def load_workloads() -> dict:
+    data = json.loads(resources.files("specdec.bench").joinpath("workloads.json").read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def _method_spec(method: str, k_fixed: int) -> tuple[str | None, int | str]:
+    """(proposer, k) for our methods."""
+    if method == "plain":
+        return None, 0
+    if method in ("draft", "head"):
+        return method, k_fixed
+    if method.endswith("_auto") or method in ("ngram", "early_exit", "hybrid", "hybrid_head", "suffix",
+                                              "head_tree", "hybrid_tree"):
+        return method.replace("_auto", "").replace("_", "-"), "auto"
+    name, k = method.rsplit("_k", 1)
+    return name.replace("_", "-"), int(k)
+
+
+class Bench:
+    def __init__(self, target: str, draft: str, dtype: str, max_new_tokens: int, k: int, k_max: int,
+                 head: str | Path | None = "auto"):
+        from specdec.api import TextGenerator
+
+        self.gen = TextGenerator.load(target, draft, dtype, head=head)
+        self.gen.eos_token_ids = set()  # every method generates exactly max_new_tokens
+        self.dtype, self.max_new_tokens, self.k, self.k_max = dtype, max_new_tokens, k, k_max
+        self._hf = None
+        self._llamacpp = None
+        self.target_name = target
+
+    def llamacpp(self):
+        if self._llamacpp is None:
+            from specdec.bench.llamacpp import LlamaCpp, gguf_file
+
+            self._llamacpp = LlamaCpp(gguf_file(self.target_name), torch.get_num_threads(), 4096, self.k)
+        return self._llamacpp
+
+    def hf(self):
+        if self._hf is None:
+            from specdec.bench.hf import load_hf
+
+            self._hf = (load_hf(self.gen.target.source_dir, self.dtype), load_hf(self.gen.draft.source_dir, self.dtype))
+        return self._hf
+
+    def encode(self, prompt) -> list[int]:
+        return self.gen.encode_chat(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+
+    def run(self, method: str, prompt_ids: list[int], temperature: float, seed: int) -> dict:
+        if method.startswith("llamacpp_"):
+            return self.llamacpp().run(method, prompt_ids, self.max_new_tokens, temperature, seed)
+        if method.startswith("hf_"):
+            from specdec.bench.hf import hf_generate
+
+            target, draft = self.hf()
+            ids, seconds = hf_generate(target, prompt_ids, self.max_new_tokens, temperature, seed,
+                                       assistant=draft if method == "hf_assisted" else None,
+                                       prompt_lookup=method == "hf_prompt_lookup")
+            n = len(ids)
+            return {"token_ids": ids, "metrics": {"generated_tokens": n, "total_s": seconds,
+                                                  "throughput_tok_s": n / seconds}}
+        proposer, k = _method_spec(method, self.k)
+        result = self.gen.generate([prompt_ids], SamplingParams(temperature=temperature), self.max_new_tokens,
+                                   k=k, seed=seed, proposer=proposer, k_max=self.k_max)[0]
+        return {"token_ids": result.token_ids, "metrics": result.batch_metrics.to_dict()}
+
+
+def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_per_category: int | None,
+              target: str, draft: str, dtype: str, max_new_tokens: int, k: int, k_max: int,
+              categories: list[str] | None = None, head: str | Path | None = "auto") -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "runs.jsonl"
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[(r["method"], r["category"], r["prompt"], r["temperature"])] = r
+    workloads = load_workloads()
+    if categories:
+        unknown = [c for c in categories if c not in workloads]
+        if unknown:
+            raise ValueError(f"unknown categories {unknown}; choose from {', '.join(workloads)}")
+        workloads = {c: workloads[c] for c in categories}
+    jobs = []
+    # Prompt-major order: an interrupted run has every category up to the same prompt index.
+    most = max(len(spec["prompts"]) for spec in workloads.values())
+    for i in range(min(most, prompts_per_category or most)):
+        for category, spec in workloads.items():
+            if i >= len(spec["prompts"]):
+                continue
+            for temp in temperatures:
+                for method in methods:
+                    if temp > 0 and ("_k" in method):
+                        continue  # the k sweep is greedy only
+                    jobs.append((method, category, i, spec["prompts"][i], temp))
+    todo = [j for j in jobs if (j[0], j[1], j[2], j[4]) not in done]
+    notes = []
+    wants_llamacpp = any(m in llamacpp.METHODS for m in methods)
+    if wants_llamacpp and not llamacpp.available():
+        notes.append(f"llama.cpp methods skipped: llama-cpp-python is not installed ({llamacpp.INSTALL_HINT}).")
+        jobs = [j for j in jobs if j[0] not in llamacpp.METHODS]
+        todo = [j for j in todo if j[0] not in llamacpp.METHODS]
+    bench = Bench(target, draft, dtype, max_new_tokens, k, k_max, head) if todo or (wants_llamacpp and not notes) else None
+    with open(log, "a") as f:
+        for method, category, i, prompt, temp in tqdm(todo, desc="specdec bench", unit="run"):
+            record = {"method": method, "category": category, "prompt": i, "temperature": temp}
+            record.update(bench.run(method, bench.encode(prompt), temp, seed=i))
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            done[(method, category, i, temp)] = record
+    peer = None
+    if wants_llamacpp and not notes:  # the block-cost comparison, on the first prompt's tokens
+        ids = bench.encode(next(iter(workloads.values()))["prompts"][0])
+        prefix, block = ids[:-5], ids[-5:]
+        peer = {"llama.cpp": bench.llamacpp().block_costs(prefix, block),
+                "specdec": llamacpp.specdec_block_costs(bench.gen.target.model, prefix, block),
+                "prefix_tokens": len(prefix)}
+    runs = [done[(j[0], j[1], j[2], j[4])] for j in jobs]
+    env = {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
+           "python": platform.python_version(), "torch": torch.__version__,
+           "transformers": __import__("transformers").__version__, "dtype": dtype, "target": target,
+           "draft": draft, "max_new_tokens": max_new_tokens, "k": k, "k_max": k_max,
+           "date": time.strftime("%Y-%m-%d %H:%M")}
+    results = {"environment": env, "runs": runs, "grounded": {c: s["grounded"] for c, s in workloads.items()},
+               "notes": notes, "peer_costs": peer}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "report.md").write_text(write_report(results, write_plots(runs, out)))
+    return results

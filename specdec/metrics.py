@@ -83,6 +83,7 @@ class AcceptanceStats:
             "first_rejection_histogram": list(self.first_rejection),
             "acceptance_per_position": [round(a, 4) for a in self.per_position()],
             "reached_per_position": list(self.reached_at),
+            "accepted_per_position": list(self.accepted_at),
         }
 
 

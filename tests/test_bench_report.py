@@ -29,6 +29,7 @@ def test_report_tables_greedy_check_and_plots(tmp_path):
         _run("hf_assisted", "code", 0, 0.0, 9.0, [1, 2, 4]),
     ]
     runs[2]["metrics"].update(ttft_s=0.5, tpot_s=0.04, total_s=2.0, time_breakdown_s={"draft": 0.1})
+    runs[2]["metrics"]["acceptance"].update(reached_per_position=[4, 3, 1], accepted_per_position=[3, 1, 0])
     text = report.write_report({"runs": runs, "environment": {
         "date": "x", "target": "t", "draft": "d", "dtype": "int8", "max_new_tokens": 3, "torch": "x",
         "transformers": "x", "cores": 2}}, plots.write_plots(runs, tmp_path))
@@ -37,6 +38,7 @@ def test_report_tables_greedy_check_and_plots(tmp_path):
     assert "specdec speculative: 1 of 4 greedy runs differ from `plain` (3 identical):" in text
     assert "transformers assisted / prompt-lookup: all 1 greedy runs are token-identical to `hf_plain`." in text
     assert "| ngram | 0.0 | 500 | 40.0 | 25.00 | 5.0% |" in text  # the time table
+    assert "| ngram | 0.0 | 2.00 | 50% | 25% | 0.75 / 0.33 / 0.00 | 0.500 | 25.00 |" in text  # pooled a_i
     assert "![speedup_vs_k](speedup_vs_k.png)" in text
     for name in ["speedup_by_category.png", "first_rejection.png", "speedup_vs_k.png"]:
         assert (tmp_path / name).stat().st_size > 1000

@@ -81,6 +81,18 @@ def _peer_lines(results: dict) -> list[str]:
     return lines + [""] if lines else []
 
 
+def _per_position(acceptance: list[dict], positions: int = 4) -> str:
+    """Pooled acceptance of the first ``positions`` draft positions over runs' acceptance dicts."""
+    reached, accepted = [0] * positions, [0] * positions
+    for a in acceptance:
+        for i, (r, n) in enumerate(zip(a.get("reached_per_position", []), a.get("accepted_per_position", []))):
+            if i < positions:
+                reached[i] += r
+                accepted[i] += n
+    cells = [f"{n / r:.2f}" for n, r in zip(accepted, reached) if r]
+    return " / ".join(cells) if cells else "–"
+
+
 def write_report(results: dict, plots: list[Path]) -> str:
     """The Markdown report of a bench's ``results`` (see :func:`specdec.bench.jobs.run_bench`),
     linking the figures ``plots`` (written next to it)."""
@@ -107,8 +119,11 @@ def write_report(results: dict, plots: list[Path]) -> str:
                 lines.append(f"| {m} | " + " | ".join(cells) + f" | {statistics.median(vals):.2f}x |")
             lines.append("")
     lines += ["## Acceptance and target calls (our speculative methods, all prompts)", "",
-              "| method | temperature | accepted/call | acceptance | full-accept rate | target calls/token | tok/s |",
-              "|---|---|---|---|---|---|---|"]
+              "Acceptance per position: a_i = accepted at draft position i / calls that reached i (every earlier "
+              "draft accepted), pooled over the prompts — the a_i of `specdec profile` and the adaptive controller.", "",
+              "| method | temperature | accepted/call | acceptance | full-accept rate | acceptance per position | "
+              "target calls/token | tok/s |",
+              "|---|---|---|---|---|---|---|---|"]
     for m in methods:
         for temp in temps:
             rs = [r for r in runs if r["method"] == m and r["temperature"] == temp and "acceptance" in r["metrics"]]
@@ -118,6 +133,7 @@ def write_report(results: dict, plots: list[Path]) -> str:
             lines.append(f"| {m} | {temp} | {statistics.median(a['mean_accepted_per_call'] for a in acc):.2f} | "
                          f"{statistics.median(a['acceptance_rate'] for a in acc):.0%} | "
                          f"{statistics.median(a['full_acceptance_rate'] for a in acc):.0%} | "
+                         f"{_per_position(acc)} | "
                          f"{statistics.median(r['metrics']['target_calls_per_token'] for r in rs):.3f} | "
                          f"{statistics.median(r['metrics']['throughput_tok_s'] for r in rs):.2f} |")
     lines += ["", "## Time (our methods, medians over all prompts)", "",

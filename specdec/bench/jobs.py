@@ -43,6 +43,7 @@ from tqdm import tqdm
 from specdec.bench import llamacpp
 from specdec.bench.plots import write_plots
 from specdec.bench.report import write_report
+from specdec.proposers.suffix import SuffixHistory
 from specdec.sampling import SamplingParams
 
 ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",
@@ -123,6 +124,10 @@ class Bench:
             return {"token_ids": ids, "metrics": {"generated_tokens": n, "total_s": seconds,
                                                   "throughput_tok_s": n / seconds}}
         proposer, k = _method_spec(method, self.k)
+        # Each run measures one request on its own: the suffix proposers' history of earlier
+        # answers is shared by a generator's calls, and would otherwise hold other methods'
+        # answers to this very prompt (a greedy answer is then predicted whole).
+        self.gen.suffix_history = SuffixHistory()
         result = self.gen.generate([prompt_ids], SamplingParams(temperature=temperature), self.max_new_tokens,
                                    k=k, seed=seed, proposer=proposer, k_max=self.k_max)[0]
         return {"token_ids": result.token_ids, "metrics": result.batch_metrics.to_dict()}

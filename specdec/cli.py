@@ -153,6 +153,9 @@ def _add_train_head(sub: argparse._SubParsersAction) -> None:
                    help="stage 2: batches of 16 prompts (derived from unused corpus chunks) the target answers "
                    "itself, greedy, 160 tokens; the head is then fine-tuned on those answers (default: 0, off)")
     p.add_argument("--finetune-steps", type=_int_at_least(0), default=0, help="stage 2 fine-tuning steps (default: 0)")
+    p.add_argument("--init-head", default=None, metavar="FILE",
+                   help="start stage 2 from this head (made earlier for the same target and dtype) instead of "
+                        "running stage 1; needs --answer-batches and --finetune-steps")
     p.set_defaults(func=_run_train_head)
 
 
@@ -179,8 +182,13 @@ def _run_train_head(args: argparse.Namespace) -> int:
         raise UsageError(f"--corpus-root {root} is not a directory")
     if bool(args.answer_batches) != bool(args.finetune_steps):
         raise UsageError("--answer-batches and --finetune-steps go together (stage 2 needs both)")
+    init = Path(args.init_head) if args.init_head else None
+    if init is not None and not init.is_file():
+        raise UsageError(f"--init-head {init} is not a file")
+    if init is not None and not args.answer_batches:
+        raise UsageError("--init-head starts stage 2: give --answer-batches and --finetune-steps too")
     card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
-               args.answer_batches, args.finetune_steps, encode=lambda text: gen.encode(text, chat=True))
+               args.answer_batches, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init)
     print(f"wrote {out} ({card['bytes'] / 1e6:.1f} MB, sha256 {card['sha256'][:16]}…)")
     print(summary(card))
     return 0

@@ -206,6 +206,24 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     code, stdout, err = _run(capsys, *args)  # everything is there: nothing is redone
     assert code == 0 and "extract features" not in err
 
+    # stage 2 again, from the head just made (no stage 1): the card keeps both records and commands
+    card = json.loads(out.with_suffix(".json").read_text())
+    out2 = tmp_path / "head2.safetensors"
+    again = ["train-head", "--target", str(model), "--dtype", "float32", "--out", str(out2), "--tokens", "20000",
+             "--corpus-root", str(sources), "--workdir", str(tmp_path / "work2"), "--init-head", str(out),
+             "--answer-batches", "2", "--finetune-steps", "2"]
+    code, stdout, err = _run(capsys, *again)
+    assert code == 0, err
+    assert "extract features" not in err and "train head" in err
+    card2 = json.loads(out2.with_suffix(".json").read_text())
+    assert card2["held_out"] == card["held_out"]
+    assert card2["finetune_earlier"]["own_answer_tokens"] == card["finetune"]["own_answer_tokens"]
+    assert card2["init_head"]["sha256"] == card["sha256"]
+    assert card2["command"].startswith(card["command"] + "; then specdec train-head")
+    assert card2["finetune"]["own_answer_sequences"] >= 2 and card2["finetune"]["corpus_mixed_in"] == 0
+    code, _, err = _run(capsys, "train-head", "--target", str(model), "--out", str(out2), "--init-head", str(out))
+    assert code == 2 and "--answer-batches" in err
+
     base = ["generate", "--target", str(model), "--dtype", "float32", "--prompt", "def f(x):", "--max-new-tokens", "12",
             "--json"]
     code, plain, err = _run(capsys, *base, "--proposer", "none")

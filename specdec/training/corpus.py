@@ -133,30 +133,67 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def answer_prompts(used_sources: set[str], count: int, seed: int = 1, root: Path | None = None) -> list[str]:
-    """Instructions derived from corpus chunks the training text did not use, for the target to
-    answer itself (its own answers are the text a head drafts at inference): write a documented
-    function, explain, rewrite or test a snippet, summarise documentation."""
+LANGUAGES = ("French", "German", "Spanish", "Italian")
+
+
+def answer_prompts(used_sources: set[str], count: int, seed: int = 1, root: Path | None = None) -> list[list[dict]]:
+    """Conversations (chat messages ending with a user turn) derived from corpus chunks the
+    training text did not use, for the target to answer itself: its own answers are the text a head
+    drafts at inference, so the instructions span the kinds of request a user sends — write,
+    explain, rewrite or test code, summarise, translate, answer a question about a text, a
+    follow-up turn, and small arithmetic word problems (numbers drawn from ``seed``)."""
     import re
 
     items = [i for i in collect(root) if i.source not in used_sources]
-    random.Random(seed).shuffle(items)
-    prompts = []
-    for item in items:
-        lines = item.text.strip().splitlines()
-        if item.kind == "prose":
-            prompts.append(f"Summarize this documentation in a few sentences:\n\n{item.text.strip()[:1200]}")
+    rng = random.Random(seed)
+    rng.shuffle(items)
+    prompts: list[list[dict]] = []
+    for n, item in enumerate(items):
+        kind = n % 8  # chunk n is offered to one kind of request; a chunk that does not fit it is skipped
+        text = item.text.strip()
+        lines = text.splitlines()
+        snippet = "```python\n" + "\n".join(lines[:20]) + "\n```" if item.kind == "code" else text[:1200]
+        doc = re.search(r'(?:"""|\'\'\')\s*([A-Z][^\n]{20,200}[.!?])', text) if item.kind == "code" else None
+        prose = re.findall(r"^\s*(?:#\s*|\"\"\"|\'\'\')?\s*([A-Z][a-z]+ [a-z][^\n]{20,200}[.])\s*$", text, re.M)
+        sentence = " ".join(prose[:2]) if prose else None  # one or two English sentences of the chunk
+        func = re.search(r"def (\w+)\(([^)]*)\)[^:]*:", text)
+        if kind == 0 and item.kind == "code" and func and doc:
+            ask = f"Write a Python function `{func.group(1)}({func.group(2)[:60]})`: {doc.group(1)}"
+        elif kind == 1:
+            ask = ("Explain what this Python code does:\n\n" if item.kind == "code"
+                   else "Summarize this documentation in a few sentences:\n\n") + snippet
+        elif kind == 2 and item.kind == "code":
+            ask = "Rewrite this code to be clearer, with comments:\n\n" + snippet
+        elif kind == 3 and item.kind == "code":
+            ask = "Write unit tests with pytest for this code:\n\n" + snippet
+        elif kind == 4 and sentence and len(sentence) > 30:
+            ask = f"Translate into {LANGUAGES[len(prompts) // 8 % len(LANGUAGES)]}: {sentence}"
+        elif kind == 5:
+            subject = f"the function `{func.group(1)}`" if func else "this text"
+            ask = f"{snippet}\n\nAnswer briefly: what is the purpose of {subject}, and when would you use it?"
+        elif kind == 6 and func and doc:
+            prompts.append([{"role": "user", "content": f"What does `{func.group(1)}` do?\n\n{snippet}"},
+                            {"role": "assistant", "content": doc.group(1)},
+                            {"role": "user", "content": "Show a short example of calling it, and explain the result."}])
+            continue
+        elif kind == 7:
+            ask = _word_problem(rng)
         else:
-            kind = len(prompts) % 4
-            m = re.search(r'def (\w+)\(([^)]*)\)[^:]*:\s*\n\s*(?:"""|\'\'\')\s*([^\n]+)', item.text)
-            if kind == 0 and m and len(m.group(3)) > 15:
-                prompts.append(f"Write a Python function `{m.group(1)}({m.group(2)[:60]})`: {m.group(3).strip()}")
-            elif kind == 1:
-                prompts.append("Explain what this Python code does:\n\n```python\n" + "\n".join(lines[:25]) + "\n```")
-            elif kind == 2:
-                prompts.append("Rewrite this code to be clearer, with comments:\n\n```python\n" + "\n".join(lines[:20]) + "\n```")
-            else:
-                prompts.append("Write unit tests with pytest for this code:\n\n```python\n" + "\n".join(lines[:20]) + "\n```")
+            continue
+        prompts.append([{"role": "user", "content": ask}])
         if len(prompts) >= count:
             break
-    return prompts
+    return prompts[:count]
+
+
+def _word_problem(rng: random.Random) -> str:
+    """A small arithmetic word problem with random numbers, to be solved step by step."""
+    a, b, c = rng.randint(3, 60), rng.randint(2, 25), rng.randint(2, 9)
+    return rng.choice([
+        f"A shop sells notebooks at ${b} each. Ana buys {a} notebooks and pays with ${a * b + c * 10}. How much change does she get? Solve step by step.",
+        f"A train travels {a * c} km in {c} hours. At the same speed, how far does it go in {c + b % 5 + 1} hours? Show your reasoning.",
+        f"A rectangle is {a} cm long and {b} cm wide. What are its area and its perimeter? Explain each step.",
+        f"There are {a} students in a class; {b % a or 1} of them are absent. What percentage is present? Round to one decimal and explain.",
+        f"Solve for x: {c}x + {a} = {c * b + a}. Show each step.",
+        f"What is the sum of the integers from 1 to {a + b}? Explain the method you use.",
+    ])

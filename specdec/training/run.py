@@ -8,6 +8,7 @@ resumes from its last checkpoint). The finished head is written with a model car
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -15,20 +16,26 @@ from pathlib import Path
 
 from specdec.models import cache, heads
 from specdec.models.loading import LoadedModel
-from specdec.proposers.head import HeadNet, save_head
+from specdec.proposers.head import HeadNet, read_head, save_head
 from specdec.training import corpus, features
 from specdec.training.train import Dataset, TrainConfig, evaluate, head_config, split, train, vocab_subset, write_json
 
 
 ANSWER_BATCH = 16
-ANSWER_TOKENS = 160
+ANSWER_TOKENS = 256
+ANSWER_TEMPERATURES = (0.0, 0.7)  # batch b answers at ANSWER_TEMPERATURES[b % 2]: greedy and sampled text
 
 
 def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: TrainConfig,
         eos_ids: set[int], max_sequences: int | None = None, corpus_root: Path | None = None,
-        answer_batches: int = 0, finetune_steps: int = 0, encode=None) -> dict:
+        answer_batches: int = 0, finetune_steps: int = 0, encode_chat=None, init_head: Path | None = None) -> dict:
     """Train a head for ``target`` (its runtime dtype is the one whose features the head learns
-    to read) and write it to ``out``; returns the model card."""
+    to read) and write it to ``out``; returns the model card.
+
+    With ``init_head`` (a head file made by an earlier run for the same target), stage 1 is not
+    run: that head is the starting point of stage 2, which then trains on own answers alone (the
+    corpus is still built, to know which chunks stage 1 used), and the card keeps the earlier
+    run's stage-1 record."""
     workdir.mkdir(parents=True, exist_ok=True)
     corpus_path = workdir / "corpus.json"
     stages = {}
@@ -45,27 +52,64 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     sequences = data["sequences"][:max_sequences]
     stages["corpus_seconds"] = round(time.perf_counter() - t, 1)
 
+    model = target.model
+    full_rows = heads.output_rows(target)  # [V, E] the target's output layer in fp32
+    sources = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}
+    if init_head is None:
+        card, net, dataset, train_ids = _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages)
+        command = _stage1_command(target, max_tokens, max_sequences, cfg)
+    else:
+        head_cfg, state, vocab_ids, card = read_head(init_head)
+        if card.get("target") != target.name or card.get("target_dtype") != model.dtype_name:
+            raise ValueError(f"init_head {init_head} was trained for {card.get('target')} ({card.get('target_dtype')}), "
+                             f"not {target.name} ({model.dtype_name})")
+        net = HeadNet(head_cfg, vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], cfg.seed)
+        net.load_export(state)
+        beside = init_head.with_suffix(".json")  # the card written next to it holds its command
+        command = card.pop("command", None) or (json.loads(beside.read_text()).get("command") if beside.exists() else None)
+        card = {k: v for k, v in card.items() if k not in ("sha256", "bytes")}
+        if "finetune" in card:
+            card["finetune_earlier"] = card.pop("finetune")
+        card["init_head"] = {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest()}
+        dataset, train_ids = Dataset([]), []
+        command = command or f"(the command that made {init_head.name} was not recorded)"
+    finetune = None
+    if answer_batches and finetune_steps:
+        finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answer_batches,
+                                            finetune_steps, eos_ids, encode_chat, full_rows, corpus_root)
+        card["finetune"] = finetune
+    stage2 = f" --answer-batches {answer_batches} --finetune-steps {finetune_steps}" if finetune else ""
+    if init_head is None:
+        card["command"] = command + stage2 + f" --out {out.name}"
+    else:
+        card["command"] = (f"{command}; then specdec train-head --target {target.name} --dtype {model.dtype_name} "
+                           f"--tokens {max_tokens} --lr {cfg.lr} --seed {cfg.seed} --init-head {init_head.name}"
+                           f"{stage2} --out {out.name}")
+    save_head(out, net.cfg, net.export(), net.vocab_ids, card)
+    card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
+    card["bytes"] = out.stat().st_size
+    write_json(out.with_suffix(".json"), card)
+    cache.write_atomic(out.with_suffix(".md"), lambda tmp: tmp.write_text(card_markdown(card, out.name)))
+    return card
+
+
+def _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages):
+    """Features of the corpus, the vocabulary subset, training and held-out evaluation; returns the
+    card so far, the head, the corpus dataset and its training ids."""
     t = time.perf_counter()
     features.extract(target.model, sequences, workdir / "features")
     stages["extract_seconds_this_run"] = round(time.perf_counter() - t, 1)
-
     shards = features.load_shards(workdir / "features")[: (len(sequences) + features.SHARD - 1) // features.SHARD]
     dataset = Dataset(shards)
     train_ids, held_ids = split(len(dataset), cfg.held_out_every)
     model = target.model
     vocab_ids = vocab_subset([dataset.rows[i][0] for i in train_ids], cfg.vocab_size, eos_ids, model.vocab_size)
-    full_rows = heads.output_rows(target)  # [V, E] the target's output layer in fp32
     net = HeadNet(head_config(model.cfg, cfg), vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], cfg.seed)
-
     log = train(net, dataset, train_ids, cfg, workdir / "checkpoint.pt")
+    write_json(workdir / "losses.json", log)
     t = time.perf_counter()
     scores = evaluate(net, dataset, held_ids, cfg.passes, full_rows)
     stages["eval_seconds"] = round(time.perf_counter() - t, 1)
-    finetune = None
-    if answer_batches and finetune_steps:
-        sources = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}
-        finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answer_batches,
-                                            finetune_steps, eos_ids, encode, full_rows, corpus_root)
     train_tokens = sum(dataset.rows[i][0].shape[0] for i in train_ids)
     card = {
         "target": target.name,
@@ -79,43 +123,38 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         "held_out": scores,
         "stages": stages,
     }
-    if finetune is not None:
-        card["finetune"] = finetune
-    save_head(out, net.cfg, net.export(), vocab_ids, card)
-    card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
-    card["bytes"] = out.stat().st_size
-    card["command"] = (f"specdec train-head --target {target.name} --dtype {model.dtype_name} --tokens {max_tokens}"
-                       + (f" --sequences {max_sequences}" if max_sequences else "")
-                       + f" --steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr} --vocab-size {cfg.vocab_size}"
-                       f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed}"
-                       + (f" --answer-batches {answer_batches} --finetune-steps {finetune_steps}" if finetune else "")
-                       + f" --out {out.name}")
-    write_json(out.with_suffix(".json"), card)
-    cache.write_atomic(out.with_suffix(".md"), lambda tmp: tmp.write_text(card_markdown(card, out.name)))
-    write_json(workdir / "losses.json", log)
-    return card
+    return card, net, dataset, train_ids
+
+
+def _stage1_command(target, max_tokens, max_sequences, cfg) -> str:
+    return (f"specdec train-head --target {target.name} --dtype {target.model.dtype_name} --tokens {max_tokens}"
+            + (f" --sequences {max_sequences}" if max_sequences else "")
+            + f" --steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr} --vocab-size {cfg.vocab_size}"
+            f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed}")
 
 
 def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, batches, steps,
-                             eos_ids, encode, full_rows, corpus_root) -> dict:
-    """Stage 2: the target answers prompts derived from unused corpus chunks (greedy, its features
-    recorded while it generates), then the head is fine-tuned on those answers mixed with as many
-    corpus sequences, at a third of the learning rate. Evaluated on held-out own answers."""
+                             eos_ids, encode_chat, full_rows, corpus_root) -> dict:
+    """Stage 2: the target answers prompts derived from unused corpus chunks (greedy and T = 0.7 in
+    turn, its features recorded while it generates), then the head is fine-tuned on those answers
+    mixed with as many corpus sequences (none when stage 1 ran earlier: ``corpus_data`` is empty),
+    at a third of the learning rate. Evaluated on held-out own answers."""
     from specdec.sampling import SamplingParams
 
     net.load_export({k: v.half() for k, v in net.export().items()})  # start from the stage-1 head as saved (fp16)
     own_dir = workdir / "own-answers"
     own_dir.mkdir(exist_ok=True)
     prompts = corpus.answer_prompts(used_sources, batches * ANSWER_BATCH, root=corpus_root)
+    room = target.model.cfg.max_position_embeddings
     t = time.perf_counter()
     for b in range(batches):
         path = features.shard_path(own_dir, b)
         group = prompts[b * ANSWER_BATCH : (b + 1) * ANSWER_BATCH]
         if path.exists() or not group:
             continue
-        ids = [encode(p)[:384] for p in group]
-        rows = features.generate_with_features(target.model, ids, SamplingParams(temperature=0.0), ANSWER_TOKENS,
-                                               eos_ids, seed=b)
+        ids = [encode_chat(p)[-min(384, room // 2):] for p in group]  # a long prompt's end: the assistant's turn
+        params = SamplingParams(temperature=ANSWER_TEMPERATURES[b % len(ANSWER_TEMPERATURES)])
+        rows = features.generate_with_features(target.model, ids, params, min(ANSWER_TOKENS, room // 2), eos_ids, seed=b)
         features.write_shard(path, rows)
         cache.notice(f"own answers: batch {b + 1}/{batches} ({time.perf_counter() - t:.0f} s)")
     own = Dataset(features.load_shards(own_dir)[:batches])
@@ -130,6 +169,7 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
     after = evaluate(net, mixed, own_held, cfg.passes, full_rows)
     return {"own_answer_sequences": len(own), "own_answer_tokens": sum(r[0].shape[0] for r in own.rows),
             "own_train": len(own_train), "own_held_out": len(own_held), "corpus_mixed_in": len(train_ids) - len(own_train),
+            "temperatures": "greedy and T = 0.7 in turn" if batches > 1 else "greedy",
             "steps": steps, "lr": ft_cfg.lr, "seconds": round(log["seconds"], 1),
             "generate_seconds_this_run": round(time.perf_counter() - t - log["seconds"], 1),
             "held_out_own_answers_before": before, "held_out_own_answers_after": after}
@@ -142,8 +182,11 @@ def card_markdown(card: dict, file_name: str) -> str:
     f = card.get("finetune")
     stage2 = "" if f is None else (
         f"\n- **Stage 2 (own answers):** the target answered {f['own_answer_sequences']} prompts derived from "
-        f"unused corpus chunks ({f['own_answer_tokens']} tokens, greedy, features recorded while it generated); "
-        f"{f['steps']} fine-tuning steps at lr {f['lr']:g} on them mixed with as many corpus sequences. Held-out own "
+        f"unused corpus chunks ({f['own_answer_tokens']} tokens, {f.get('temperatures', 'greedy')}, features recorded "
+        f"while it generated); {f['steps']} fine-tuning steps at lr {f['lr']:g} on them"
+        + (" mixed with as many corpus sequences" if f["corpus_mixed_in"] else "")
+        + (f", starting from `{card['init_head']['file']}` (sha256 `{card['init_head']['sha256'][:16]}…`)"
+           if "init_head" in card else "") + ". Held-out own "
         f"answers, greedy acceptance per position: {f['held_out_own_answers_before']['greedy']} before, "
         f"{f['held_out_own_answers_after']['greedy']} after.")
     return f"""# Draft head `{file_name}`

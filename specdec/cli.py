@@ -506,7 +506,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=None, help=f"comma-separated; all: {','.join(ALL_METHODS)}; quick: {','.join(QUICK_METHODS)}")
     p.add_argument("--temperature", default="0,0.7", help="comma-separated temperatures (default: %(default)s)")
     p.add_argument("--prompts-per-category", type=int, default=None, help="default: all 8 (1 with --quick)")
-    p.add_argument("--categories", default=None, help="comma-separated subset of the prompt categories (default: all)")
+    p.add_argument("--categories", default=None, help="comma-separated prompt categories: multi_turn, translation, summarization, qa, math, code, "
+                        "and the extra 'editing' (rename/convert a 20-30-line module; run only when named) "
+                        "(default: the six)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 64 (32 with --quick)")
     p.add_argument("--target", default=registry.DEFAULT_TARGET)
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT)

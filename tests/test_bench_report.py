@@ -96,7 +96,9 @@ def test_llamacpp_greedy_check_and_block_costs_in_the_report(tmp_path):
 
 def test_workloads_have_six_categories_of_eight():
     w = jobs.load_workloads()
-    assert len(w) >= 6 and all(len(c["prompts"]) >= 8 for c in w.values())
+    assert len(w) == 6 and all(len(c["prompts"]) >= 8 for c in w.values())
+    extra = jobs.load_workloads(include_extra=True)
+    assert set(extra) - set(w) == {"editing"} and extra["editing"]["grounded"] and len(extra["editing"]["prompts"]) == 8
 
 
 def test_acceptance_per_position_counters():

@@ -63,9 +63,11 @@ def known_method(method: str) -> bool:
     return name in FIXED_K and k.isdigit() and int(k) >= 1
 
 
-def load_workloads() -> dict:
+def load_workloads(include_extra: bool = False) -> dict:
+    """The prompt categories; ``extra`` ones (e.g. ``editing``) only with ``include_extra``, so the
+    default bench stays the six Spec-Bench-like categories its medians are quoted over."""
     data = json.loads(resources.files("specdec.bench").joinpath("workloads.json").read_text())
-    return {k: v for k, v in data.items() if not k.startswith("_")}
+    return {k: v for k, v in data.items() if not k.startswith("_") and (include_extra or not v.get("extra"))}
 
 
 def _method_spec(method: str, k_fixed: int) -> tuple[str | None, int | str]:
@@ -144,7 +146,7 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
             if line.strip():
                 r = json.loads(line)
                 done[(r["method"], r["category"], r["prompt"], r["temperature"])] = r
-    workloads = load_workloads()
+    workloads = load_workloads(include_extra=bool(categories))
     if categories:
         unknown = [c for c in categories if c not in workloads]
         if unknown:

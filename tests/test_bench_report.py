@@ -47,7 +47,7 @@ def test_report_tables_greedy_check_and_plots(tmp_path):
 def test_resume_skips_finished_runs(tmp_path, monkeypatch):
     """Runs already in runs.jsonl are not repeated (nothing is loaded when nothing is left)."""
     workloads = {"code": {"grounded": True, "prompts": ["p0"]}}
-    monkeypatch.setattr(jobs, "load_workloads", lambda: workloads)
+    monkeypatch.setattr(jobs, "load_workloads", lambda include_extra=False: workloads)
     with open(tmp_path / "runs.jsonl", "w") as f:
         f.write(json.dumps(_run("plain", "code", 0, 0.0, 10.0, [1])) + "\n")
 
@@ -62,7 +62,7 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch):
 
 def test_llamacpp_methods_are_skipped_and_said_so_without_the_extra(tmp_path, monkeypatch):
     workloads = {"code": {"grounded": True, "prompts": ["p0"]}}
-    monkeypatch.setattr(jobs, "load_workloads", lambda: workloads)
+    monkeypatch.setattr(jobs, "load_workloads", lambda include_extra=False: workloads)
     monkeypatch.setattr(jobs.llamacpp, "available", lambda: False)
     with open(tmp_path / "runs.jsonl", "w") as f:
         f.write(json.dumps(_run("plain", "code", 0, 0.0, 10.0, [1])) + "\n")

@@ -512,7 +512,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 64 (32 with --quick)")
     p.add_argument("--target", default=registry.DEFAULT_TARGET)
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT)
-    p.add_argument("--dtype", choices=["int8", "q4", "float32"], default="int8")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="(default: %(default)s, as generate)")
     p.add_argument("--head", default=None, metavar="PATH",
                    help="draft head for the head methods (default: the one shipped for --target)")
     p.add_argument("--k", type=int, default=4, help="k of the fixed-k 'draft' and 'head' methods (default: %(default)s)")

@@ -32,6 +32,7 @@ from specdec.bench.hf import hf_generate, load_hf
 from specdec.bench.prompts import CODE_PROMPTS
 from specdec.engine import generate
 from specdec.models import registry
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
 from specdec.sampling import SamplingParams
 
 
@@ -267,7 +268,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="what", required=True)
     rt = sub.add_parser("runtime", help="our plain decoding vs transformers generate(), forward scaling")
     rt.add_argument("--target", default=registry.DEFAULT_TARGET)
-    rt.add_argument("--dtype", default="int8", choices=["int8", "q4", "float32", "bfloat16"])
+    rt.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPES))
     rt.add_argument("--tokens", type=int, default=64)
     rt.add_argument("--runs", type=int, default=3)
     rt.add_argument("--out", default=None, help="write JSON results here")

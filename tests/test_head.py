@@ -162,32 +162,38 @@ def test_hybrid_with_head_and_adaptive_k_is_token_identical(trained):
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
 
 
-def test_head_cache_rollback_equals_fresh_computation(trained):
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
+def test_head_cache_rollback_equals_fresh_computation(trained, params):
     """After drafting and a partial acceptance, the next proposal is bit-identical to the one of
-    a head that is fed the committed text from scratch."""
+    a head that is fed the committed text from scratch (greedy: the argmax drafts with no q;
+    sampled: the drafts and every q, both proposers drawing from generators in the same state)."""
     _, int8, net, _, _ = trained
     prompt = [4, 8, 15, 16, 23, 42]
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     cache = int8.new_cache(1, 64)
     _, hidden = int8(torch.tensor([prompt]), cache, return_hidden=True)
     proposer = _head_proposer(net, int8)
-    proposer.add([prompt], [GREEDY], g(), target_hidden=hidden)
+    proposer.add([prompt], [params], g(), target_hidden=hidden)
     drafts = proposer.propose([[7]], 4).tokens[0].tolist()
     block = [7] + drafts
     _, block_hidden = int8(torch.tensor([block]), cache, return_hidden=True)
     accepted = 2
     proposer.observe(torch.tensor([accepted]), target_hidden=block_hidden)
     committed = drafts[:accepted] + [31]  # accepted drafts, then a replacement token
+    proposer.generator = g()  # the same random state as the fresh proposer's below
     after = proposer.propose([committed], 3)
 
     text = prompt + [7] + drafts[:accepted]
     fresh_cache = int8.new_cache(1, 64)
     _, fresh_hidden = int8(torch.tensor([text]), fresh_cache, return_hidden=True)
     fresh = _head_proposer(net, int8)
-    fresh.add([text], [GREEDY], g(), target_hidden=fresh_hidden)
+    fresh.add([text], [params], g(), target_hidden=fresh_hidden)
     expected = fresh.propose([[31]], 3)
     assert torch.equal(after.tokens, expected.tokens)
-    assert torch.equal(after.probs, expected.probs)
+    if params.greedy:
+        assert after.probs is None and expected.probs is None
+    else:
+        assert after.probs.shape == (1, 3, int8.vocab_size) and torch.equal(after.probs, expected.probs)
 
 
 def test_ids_outside_the_subset_are_never_drafted(fp32_target):

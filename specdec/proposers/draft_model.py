@@ -78,17 +78,24 @@ class DraftModelProposer(SingleSource):
         # More than the usual 1-2 new tokens: this step also caught up on skipped ones, so its
         # time says little about the cost of a draft token (see AdaptiveK.observe).
         self.caught_up = int(counts.max()) > 2
-        logits = self._feed(feed, counts)  # [B, V]
+        logits = self._feed(feed, counts)  # [B, V] (or [B, N] over vocab_ids)
+        # Greedy rows never read q (the engine commits the target's argmax): when every row is
+        # greedy, draft the argmax as a deterministic candidate, with no full-vocabulary q.
+        greedy = all(p.greedy for p in self.params)
         tokens, probs = [], []
         for i in range(k):
-            q = self._probs(logits)  # [B, V]
-            token = sample(q, self.generator).unsqueeze(1)  # [B, 1]
+            if greedy:
+                best = logits.argmax(-1)
+                token = (best if self.vocab_ids is None else self.vocab_ids[best]).unsqueeze(1)  # [B, 1]
+            else:
+                q = self._probs(logits)  # [B, V]
+                token = sample(q, self.generator).unsqueeze(1)  # [B, 1]
+                probs.append(q)
             tokens.append(token)
-            probs.append(q)
             if i < k - 1:
                 logits = self.model(token, self.cache)[:, -1]  # (token ids are full-vocabulary ids)
         self._fed_drafts = k - 1
-        return Proposal(torch.cat(tokens, 1), torch.stack(probs, 1))
+        return Proposal(torch.cat(tokens, 1), torch.stack(probs, 1) if probs else None)
 
     def _feed(self, feed: list[list[int]], counts: torch.Tensor) -> torch.Tensor:
         width = int(counts.max())

@@ -300,15 +300,22 @@ class HeadProposer(SingleSource):
             self.caught_up = False
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
         logits, guess = self._catch_up()
+        # Greedy rows never read q (the engine commits the target's argmax): when every row is
+        # greedy, draft the head's argmax as a deterministic candidate and skip the per-token
+        # processing over the full vocabulary (the same tokens sampling a one-hot q would give).
+        greedy = all(p.greedy for p in self.params)
         drafts, probs = [], []
         for i in range(k):
-            q = self._probs(logits[:, -1])  # [B, V]
-            token = sample(q, self.generator).unsqueeze(1)  # [B, 1]
+            if greedy:
+                token = self.head.vocab_ids[logits[:, -1].argmax(-1)].unsqueeze(1)  # [B, 1]
+            else:
+                q = self._probs(logits[:, -1])  # [B, V]
+                token = sample(q, self.generator).unsqueeze(1)  # [B, 1]
+                probs.append(q)
             drafts.append(token)
-            probs.append(q)
             if i < k - 1:
                 logits, guess = self.head(guess, token, self.cache)
-        return Proposal(torch.cat(drafts, 1), torch.stack(probs, 1))
+        return Proposal(torch.cat(drafts, 1), torch.stack(probs, 1) if probs else None)
 
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the queued (target feature, next token) pairs of every row in one head call;

@@ -65,11 +65,13 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
                              f"not {target.name} ({model.dtype_name})")
         net = HeadNet(head_cfg, vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], cfg.seed)
         net.load_export(state)
-        beside = init_head.with_suffix(".json")  # the card written next to it holds its command
-        command = card.pop("command", None) or (json.loads(beside.read_text()).get("command") if beside.exists() else None)
+        beside = init_head.with_suffix(".json")  # the card written next to it: its command, full records
+        full = json.loads(beside.read_text()) if beside.exists() else {}
+        command = card.pop("command", None) or full.get("command")
         card = {k: v for k, v in card.items() if k not in ("sha256", "bytes")}
         if "finetune" in card:
-            card["finetune_earlier"] = card.pop("finetune")
+            card["finetune_earlier"] = full.get("finetune", card.pop("finetune"))
+            card.pop("finetune", None)
         card["init_head"] = {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest()}
         dataset, train_ids = Dataset([]), []
         command = command or f"(the command that made {init_head.name} was not recorded)"
@@ -175,20 +177,25 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
             "held_out_own_answers_before": before, "held_out_own_answers_after": after}
 
 
+def _stage2_line(f: dict, title: str, init: dict | None) -> str:
+    return (
+        f"\n- **{title} (own answers):** the target answered {f['own_answer_sequences']} prompts derived from "
+        f"unused corpus chunks ({f.get('own_answer_tokens', '?')} tokens, {f.get('temperatures', 'greedy')}, features "
+        f"recorded while it generated); {f['steps']} fine-tuning steps at lr {f['lr']:g} on them"
+        + (" mixed with as many corpus sequences" if f.get("corpus_mixed_in") else "")
+        + (f", starting from `{init['file']}` (sha256 `{init['sha256'][:16]}…`)" if init else "") + ". Held-out own "
+        f"answers, greedy acceptance per position: {f['held_out_own_answers_before']['greedy']} before, "
+        f"{f['held_out_own_answers_after']['greedy']} after.")
+
+
 def card_markdown(card: dict, file_name: str) -> str:
     """A short human-readable model card from the JSON card."""
     c, h, t = card["corpus"], card["held_out"], card["train_config"]
     rows = "\n".join(f"| {i + 1} | {g:.3f} | {a:.3f} |" for i, (g, a) in enumerate(zip(h["greedy"], h["alpha"])))
-    f = card.get("finetune")
-    stage2 = "" if f is None else (
-        f"\n- **Stage 2 (own answers):** the target answered {f['own_answer_sequences']} prompts derived from "
-        f"unused corpus chunks ({f['own_answer_tokens']} tokens, {f.get('temperatures', 'greedy')}, features recorded "
-        f"while it generated); {f['steps']} fine-tuning steps at lr {f['lr']:g} on them"
-        + (" mixed with as many corpus sequences" if f["corpus_mixed_in"] else "")
-        + (f", starting from `{card['init_head']['file']}` (sha256 `{card['init_head']['sha256'][:16]}…`)"
-           if "init_head" in card else "") + ". Held-out own "
-        f"answers, greedy acceptance per position: {f['held_out_own_answers_before']['greedy']} before, "
-        f"{f['held_out_own_answers_after']['greedy']} after.")
+    stage2 = "".join(_stage2_line(card[key], title, card.get("init_head") if key == "finetune" else None)
+                     for key, title in (("finetune_earlier", "Stage 2, first round"), ("finetune", "Stage 2"))
+                     if key in card)
+    note = f"\n- **Note:** {card['note']}" if card.get("note") else ""
     return f"""# Draft head `{file_name}`
 
 An EAGLE-style draft head for **{card['target']}** (features of its `{card['target_dtype']}` runtime),
@@ -206,7 +213,7 @@ trained by `specdec train-head` on this machine's CPU. See `specdec/proposers/he
 - **Training:** {t['steps']} steps x {t['batch_sequences']} sequences, AdamW lr {t['lr']} (warm-up, cosine),
   seed {t['seed']}: {card['training_seconds'] / 60:.0f} min on 2 CPU cores (feature extraction: one
   prefill per sequence at the target's prefill speed, ~130 tokens/s on this 2-core CPU).
-- **Reproduce:** `{card['command']}`{stage2}
+- **Reproduce:** `{card['command']}`{stage2}{note}
 - **File:** {card['bytes'] / 1e6:.1f} MB, sha256 `{card['sha256']}`
 
 Held-out corpus acceptance per draft position of the stage-1 head (teacher-forced tokens, the head's own features; greedy =

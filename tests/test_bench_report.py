@@ -131,3 +131,20 @@ def test_each_bench_run_starts_with_an_empty_suffix_history(tmp_path):
         sizes.append(len(bench.gen.suffix_history.index.tokens))
     # after each run: at most that run's own answer (and a separator), never the earlier run's too
     assert 0 < sizes[0] <= len(answer) + 1 and 0 < sizes[1] <= len(answer) + 1
+
+
+def test_stop_at_eos_ends_a_run_where_the_answer_ends(tmp_path):
+    """Categories marked ``stop_at_eos`` stop at the end-of-turn token; the others generate exactly
+    max_new_tokens (past the end, for equal lengths across methods)."""
+    from tiny_models import hf_tiny, save_hf_dir
+
+    model = save_hf_dir(hf_tiny("qwen2", seed=3), tmp_path / "model")
+    bench = jobs.Bench(str(model), None, "float32", 40, 4, 8, head=None)
+    prompt = [5, 6, 7, 8, 9, 10]
+    full = bench.run("plain", prompt, 0.0, seed=0)["token_ids"]
+    assert len(full) == 40
+    bench.eos_token_ids = {full[3]}  # pretend the 4th generated token ends the turn
+    for method in ("plain", "ngram"):
+        stopped = bench.run(method, prompt, 0.0, seed=0, stop_at_eos=True)["token_ids"]
+        assert stopped == full[: full.index(full[3]) + 1]
+    assert bench.run("plain", prompt, 0.0, seed=0)["token_ids"] == full  # the flag does not stick

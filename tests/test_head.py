@@ -12,7 +12,7 @@ import specdec.verify as verify_module
 from specdec.engine import generate
 from specdec.proposers import HybridProposer, NgramProposer
 from specdec.proposers.head import DraftHead, HeadConfig, HeadNet, HeadProposer, read_head, save_head
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, sample
 from specdec.training import features
 from specdec.training.train import Dataset, TrainConfig, evaluate, train, vocab_subset
 from stats import ALPHA, chi_square_pvalue
@@ -208,6 +208,27 @@ def test_ids_outside_the_subset_are_never_drafted(fp32_target):
     assert torch.all(out.probs[..., outside] == 0)
     assert torch.allclose(out.probs.sum(-1), torch.ones(1, 3, dtype=out.probs.dtype))
     assert not outside[out.tokens].any()
+
+
+def test_sampling_over_the_subset_draws_what_the_full_q_would(fp32_target):
+    """The head samples over its id subset; with the same uniforms that picks exactly the tokens
+    inverse-CDF sampling of the full-vocabulary q (zeros outside the subset) picks."""
+    net = _net(fp32_target, vocab=SUBSET)
+    proposer = _head_proposer(net, fp32_target)
+    prompts = [[1, 2, 3], [7, 3, 9]]
+    _, hidden = fp32_target(torch.tensor(prompts), fp32_target.new_cache(2, 8), return_hidden=True)
+    proposer.add(prompts, [SamplingParams(temperature=1.3)] * 2, torch.Generator().manual_seed(5), target_hidden=hidden)
+    out = proposer.propose([[4], [5]], 4)
+    g = torch.Generator().manual_seed(5)
+    expected = torch.stack([sample(out.probs[:, i], g) for i in range(4)], 1)  # one uniform per row per draft
+    assert torch.equal(out.tokens, expected)
+    assert len(set(out.tokens.flatten().tolist())) > 1  # not a degenerate draw
+
+
+def test_a_head_with_unsorted_vocab_ids_is_refused(fp32_target):
+    net = _net(fp32_target, vocab=SUBSET)
+    with pytest.raises(ValueError, match="sorted and unique"):
+        DraftHead(net.cfg, net.export(), net.vocab_ids.flip(0), fp32_target, net.lm_rows, fp32_target.dtype_name)
 
 
 # Exact joint law of the first three tokens at T = 0.7 with top-k, through the engine with a head.

@@ -89,7 +89,8 @@ class Bench:
         from specdec.api import TextGenerator
 
         self.gen = TextGenerator.load(target, draft, dtype, head=head)
-        self.gen.eos_token_ids = set()  # every method generates exactly max_new_tokens
+        self.eos_token_ids = self.gen.eos_token_ids
+        self.gen.eos_token_ids = set()  # every method generates exactly max_new_tokens (unless stop_at_eos)
         self.dtype, self.max_new_tokens, self.k, self.k_max = dtype, max_new_tokens, k, k_max
         self._hf = None
         self._llamacpp = None
@@ -112,7 +113,10 @@ class Bench:
     def encode(self, prompt) -> list[int]:
         return self.gen.encode_chat(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
 
-    def run(self, method: str, prompt_ids: list[int], temperature: float, seed: int) -> dict:
+    def run(self, method: str, prompt_ids: list[int], temperature: float, seed: int, stop_at_eos: bool = False) -> dict:
+        """One run. ``stop_at_eos`` (categories whose answers are whole files, e.g. ``editing``):
+        our methods stop where the answer ends, as a user's request does, instead of generating
+        past the end-of-turn token (text no longer grounded in the input) up to ``max_new_tokens``."""
         if method.startswith("llamacpp_"):
             return self.llamacpp().run(method, prompt_ids, self.max_new_tokens, temperature, seed)
         if method.startswith("hf_"):
@@ -130,6 +134,7 @@ class Bench:
         # answers is shared by a generator's calls, and would otherwise hold other methods'
         # answers to this very prompt (a greedy answer is then predicted whole).
         self.gen.suffix_history = SuffixHistory()
+        self.gen.eos_token_ids = self.eos_token_ids if stop_at_eos else set()
         result = self.gen.generate([prompt_ids], SamplingParams(temperature=temperature), self.max_new_tokens,
                                    k=k, seed=seed, proposer=proposer, k_max=self.k_max)[0]
         return {"token_ids": result.token_ids, "metrics": result.batch_metrics.to_dict()}
@@ -175,7 +180,8 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
     with open(log, "a") as f:
         for method, category, i, prompt, temp in tqdm(todo, desc="specdec bench", unit="run"):
             record = {"method": method, "category": category, "prompt": i, "temperature": temp}
-            record.update(bench.run(method, bench.encode(prompt), temp, seed=i))
+            record.update(bench.run(method, bench.encode(prompt), temp, seed=i,
+                                    stop_at_eos=workloads[category].get("stop_at_eos", False)))
             f.write(json.dumps(record) + "\n")
             f.flush()
             done[(method, category, i, temp)] = record

@@ -216,8 +216,10 @@ class DraftHead:
                 f"this head was trained for a target with vocabulary {cfg.target_vocab_size} and hidden size "
                 f"{cfg.hidden_size}; the target has {target.cfg.vocab_size} and {target.cfg.hidden_size}"
             )
+        if vocab_ids.numel() > 1 and not bool((vocab_ids[1:] > vocab_ids[:-1]).all()):
+            raise ValueError("a head's vocab_ids must be sorted and unique")
         self.cfg, self.target = cfg, target
-        self.vocab_ids = vocab_ids.long()  # [N]
+        self.vocab_ids = vocab_ids.long()  # [N], sorted
         weights = {k: v for k, v in state.items() if k.startswith(LAYER)}
         weights["model.embed_tokens.weight"] = target.embed  # unused by forward_embeds; shared, no copy
         weights["model.norm.weight"] = target.final_norm
@@ -309,9 +311,11 @@ class HeadProposer(SingleSource):
             if greedy:
                 token = self.head.vocab_ids[logits[:, -1].argmax(-1)].unsqueeze(1)  # [B, 1]
             else:
-                q = self._probs(logits[:, -1])  # [B, V]
-                token = sample(q, self.generator).unsqueeze(1)  # [B, 1]
-                probs.append(q)
+                sub = self._subset_probs(logits[:, -1])  # [B, N]
+                # The subset is sorted by id, so its CDF is the full q's with the empty steps left
+                # out: the same uniform picks the same token, over a tenth of the ids.
+                token = self.head.vocab_ids[sample(sub, self.generator)].unsqueeze(1)  # [B, 1]
+                probs.append(self.head.full_probs(sub))  # [B, V]
             drafts.append(token)
             if i < k - 1:
                 logits, guess = self.head(guess, token, self.cache)
@@ -338,10 +342,10 @@ class HeadProposer(SingleSource):
         self._tokens = [[] for _ in range(batch)]
         return logits, guess
 
-    def _probs(self, subset_logits: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, V]
+    def _subset_probs(self, subset_logits: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, N]
         if not torch.isfinite(subset_logits).all():
             raise ValueError("the draft head produced non-finite logits")
-        return self.head.full_probs(probs_per_row(subset_logits.unsqueeze(1), self.params)[:, 0])
+        return probs_per_row(subset_logits.unsqueeze(1), self.params)[:, 0]
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         """Drop the drafted slots; queue the target's features of the fed token and the accepted

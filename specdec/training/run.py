@@ -69,9 +69,9 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         full = json.loads(beside.read_text()) if beside.exists() else {}
         command = card.pop("command", None) or full.get("command")
         card = {k: v for k, v in card.items() if k not in ("sha256", "bytes")}
-        if "finetune" in card:
-            card["finetune_earlier"] = full.get("finetune", card.pop("finetune"))
-            card.pop("finetune", None)
+        earlier = card.pop("finetune", None)
+        if earlier is not None:
+            card["finetune_earlier"] = full.get("finetune", earlier)
         card["init_head"] = {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest()}
         dataset, train_ids = Dataset([]), []
         command = command or f"(the command that made {init_head.name} was not recorded)"
@@ -171,10 +171,17 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
     after = evaluate(net, mixed, own_held, cfg.passes, full_rows)
     return {"own_answer_sequences": len(own), "own_answer_tokens": sum(r[0].shape[0] for r in own.rows),
             "own_train": len(own_train), "own_held_out": len(own_held), "corpus_mixed_in": len(train_ids) - len(own_train),
-            "temperatures": "greedy and T = 0.7 in turn" if batches > 1 else "greedy",
+            "temperatures": _temperatures_used(batches),
             "steps": steps, "lr": ft_cfg.lr, "seconds": round(log["seconds"], 1),
             "generate_seconds_this_run": round(time.perf_counter() - t - log["seconds"], 1),
             "held_out_own_answers_before": before, "held_out_own_answers_after": after}
+
+
+def _temperatures_used(batches: int) -> str:
+    """How the own answers were sampled, e.g. 'greedy and T = 0.7 in turn'."""
+    temps = [ANSWER_TEMPERATURES[b % len(ANSWER_TEMPERATURES)] for b in range(min(batches, len(ANSWER_TEMPERATURES)))]
+    names = ["greedy" if t == 0 else f"T = {t:g}" for t in temps]
+    return " and ".join(names) + (" in turn" if len(names) > 1 else "")
 
 
 def _stage2_line(f: dict, title: str, init: dict | None) -> str:

@@ -13,7 +13,33 @@ from typing import Protocol
 
 import torch
 
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, probs_per_row, sample
+
+
+def draft_token(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None,
+                vocab_ids: torch.Tensor | None, vocab_size: int, who: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row from a model's ``logits`` ``[B, N]`` over ``vocab_ids`` (full-vocabulary
+    ids, sorted; ``None``: the N logits are the whole vocabulary of ``vocab_size``). Returns
+    ``(token [B, 1], q [B, V] or None)``.
+
+    Greedy rows never read q (the engine commits the target's argmax), so when every row is greedy
+    the argmax is drafted as a deterministic candidate and no q is built. Otherwise q is processed
+    over the N ids alone — the same distribution as over the full vocabulary with -inf outside
+    them — and sampled there: with sorted ids the subset's CDF is the full q's with its empty steps
+    left out, so the same uniform picks the same token, over fewer ids. ``who`` names the model
+    in the error for non-finite logits."""
+    if all(p.greedy for p in params):
+        best = logits.argmax(-1)  # [B]
+        return (best if vocab_ids is None else vocab_ids[best]).unsqueeze(1), None
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"the {who} produced non-finite logits")
+    sub = probs_per_row(logits, params)  # [B, N]
+    picked = sample(sub, generator)  # [B]
+    if vocab_ids is None:
+        return picked.unsqueeze(1), sub
+    q = sub.new_zeros(sub.shape[0], vocab_size)  # [B, V]: zero outside the subset
+    q[:, vocab_ids] = sub
+    return vocab_ids[picked].unsqueeze(1), q
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource
+from specdec.proposers.base import Proposal, SingleSource, draft_token
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingParams, probs_per_row, sample
+from specdec.sampling import SamplingParams
 
 
 class DraftModelProposer(SingleSource):
@@ -50,17 +50,6 @@ class DraftModelProposer(SingleSource):
         self._pending_prefix += [[] for _ in prompts]
         self._skip += [0] * len(prompts)
 
-    def _probs(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V or N] -> [B, V]
-        if not torch.isfinite(logits).all():
-            raise ValueError("the draft model produced non-finite logits")
-        probs = probs_per_row(logits, self.params)
-        if self.vocab_ids is None:
-            return probs
-        # processing over the subset alone = over the full vocabulary with -inf outside it
-        full = probs.new_zeros(probs.shape[0], self.vocab_size)
-        full[:, self.vocab_ids] = probs
-        return full
-
     def propose(self, pending: list[list[int]], k: int) -> Proposal:
         batch = len(pending)
         # Skip the accepted drafts already in the cache; prepend what k = 0 steps held back.
@@ -79,19 +68,12 @@ class DraftModelProposer(SingleSource):
         # time says little about the cost of a draft token (see AdaptiveK.observe).
         self.caught_up = int(counts.max()) > 2
         logits = self._feed(feed, counts)  # [B, V] (or [B, N] over vocab_ids)
-        # Greedy rows never read q (the engine commits the target's argmax): when every row is
-        # greedy, draft the argmax as a deterministic candidate, with no full-vocabulary q.
-        greedy = all(p.greedy for p in self.params)
         tokens, probs = [], []
         for i in range(k):
-            if greedy:
-                best = logits.argmax(-1)
-                token = (best if self.vocab_ids is None else self.vocab_ids[best]).unsqueeze(1)  # [B, 1]
-            else:
-                q = self._probs(logits)  # [B, V]
-                token = sample(q, self.generator).unsqueeze(1)  # [B, 1]
-                probs.append(q)
-            tokens.append(token)
+            token, q = draft_token(logits, self.params, self.generator, self.vocab_ids, self.vocab_size, "draft model")
+            tokens.append(token)  # [B, 1]
+            if q is not None:
+                probs.append(q)  # [B, V]
             if i < k - 1:
                 logits = self.model(token, self.cache)[:, -1]  # (token ids are full-vocabulary ids)
         self._fed_drafts = k - 1

@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.proposers.base import Proposal, SingleSource
+from specdec.proposers.base import Proposal, SingleSource, draft_token
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.linear import LinearBuilder
 from specdec.runtime.model import Transformer, apply_rope, rms_norm, rope_tables
-from specdec.sampling import SamplingParams, probs_per_row, sample
+from specdec.sampling import SamplingParams, probs_per_row
 
 FORMAT = "specdec-draft-head-v1"
 LAYER = "model.layers.0."
@@ -245,14 +245,6 @@ class DraftHead:
                                rms_norm(self.target.embed[tokens], self.norm_embed, eps, False)], -1))
         return self.body.forward_embeds(x.to(self.target.act_dtype), cache, return_hidden=True, **options)
 
-    def full_probs(self, subset_probs: torch.Tensor) -> torch.Tensor:
-        """Subset probabilities ``[B, N]`` -> target-vocabulary probabilities ``[B, V]`` (zero outside
-        the subset). Processing (temperature, top-k, top-p, min-p) over the subset alone gives the
-        same distribution as over the full vocabulary with -inf outside it, at a tenth of the cost."""
-        out = subset_probs.new_zeros(subset_probs.shape[0], self.cfg.target_vocab_size)
-        out[:, self.vocab_ids] = subset_probs
-        return out
-
 
 class HeadProposer(SingleSource):
     """Drafts k tokens per row with a :class:`DraftHead`; returns the processed ``q`` each was
@@ -302,21 +294,13 @@ class HeadProposer(SingleSource):
             self.caught_up = False
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
         logits, guess = self._catch_up()
-        # Greedy rows never read q (the engine commits the target's argmax): when every row is
-        # greedy, draft the head's argmax as a deterministic candidate and skip the per-token
-        # processing over the full vocabulary (the same tokens sampling a one-hot q would give).
-        greedy = all(p.greedy for p in self.params)
         drafts, probs = [], []
         for i in range(k):
-            if greedy:
-                token = self.head.vocab_ids[logits[:, -1].argmax(-1)].unsqueeze(1)  # [B, 1]
-            else:
-                sub = self._subset_probs(logits[:, -1])  # [B, N]
-                # The subset is sorted by id, so its CDF is the full q's with the empty steps left
-                # out: the same uniform picks the same token, over a tenth of the ids.
-                token = self.head.vocab_ids[sample(sub, self.generator)].unsqueeze(1)  # [B, 1]
-                probs.append(self.head.full_probs(sub))  # [B, V]
-            drafts.append(token)
+            token, q = draft_token(logits[:, -1], self.params, self.generator, self.head.vocab_ids,
+                                   self.head.cfg.target_vocab_size, "draft head")
+            drafts.append(token)  # [B, 1]
+            if q is not None:
+                probs.append(q)  # [B, V]
             if i < k - 1:
                 logits, guess = self.head(guess, token, self.cache)
         return Proposal(torch.cat(drafts, 1), torch.stack(probs, 1) if probs else None)
@@ -341,11 +325,6 @@ class HeadProposer(SingleSource):
         self._feats = [f[:0] for f in self._feats]
         self._tokens = [[] for _ in range(batch)]
         return logits, guess
-
-    def _subset_probs(self, subset_logits: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, N]
-        if not torch.isfinite(subset_logits).all():
-            raise ValueError("the draft head produced non-finite logits")
-        return probs_per_row(subset_logits.unsqueeze(1), self.params)[:, 0]
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         """Drop the drafted slots; queue the target's features of the fed token and the accepted

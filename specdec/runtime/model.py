@@ -147,6 +147,7 @@ class Transformer(torch.nn.Module):
         super().__init__()
         if cfg.head_dim % attention.LANES:
             raise ValueError(f"head_dim {cfg.head_dim} is not a multiple of {attention.LANES}, which the attention kernel needs")
+        attention.kernel()  # built now (once per machine), so its compile time is load time, not a request's
         linear = LinearBuilder(dtype, act_absmax, quantized)
         self.cfg, self.dtype_name = cfg, dtype
         self.act_dtype = activation_dtype(dtype)

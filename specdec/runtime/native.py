@@ -39,6 +39,20 @@ def build(stem: str, source: str, depends: tuple[str, ...] = (), flags: tuple[st
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 
+def build_all() -> list[str]:
+    """Compile (once per machine) every kernel this CPU can run, so that no later call pays for
+    it: the install step (``specdec models install``) calls this; loading a model builds its
+    kernels too, so their compile time is load time, never a request's time to first token."""
+    from specdec.runtime import attention, q4
+
+    attention.kernel()
+    built = ["attention"]
+    if q4.available():
+        q4.kernel()
+        built.append("q4")
+    return built
+
+
 def _cpu() -> bytes:
     """What a -march=native build depends on: the CPU's model and feature flags (a shared
     $SPECDEC_HOME on another CPU gets its own build)."""

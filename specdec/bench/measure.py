@@ -8,6 +8,8 @@
         prefill of a 500-token prompt next to transformers int8 and (when installed) llama.cpp
     python -m specdec.bench.measure step
         where one decoding step's time goes: q4 GEMM vs everything else, op count, host syncs
+    python -m specdec.bench.measure compile
+        torch.compile (inductor) of a block's elementwise sections vs eager: time and bit-identity
     python -m specdec.bench.measure toy [--tokens 100000] [--repeats 3]
         the toy experiment: scalar reference loop vs batched --fast mode
 
@@ -250,6 +252,53 @@ def step_profile() -> None:
                   f"| {ops:.0f} | {syncs:.0f} |")
 
 
+def compile_trial(hidden: int = 1536, intermediate: int = 8960, heads: int = 14, head_dim: int = 128,
+                  rows=(1, 5, 9), calls: int = 2000) -> None:
+    """Issue 11's torch.compile trial, on the default target's shapes: the sections of a block
+    between its kernels (residual add + RMSNorm; SiLU gate; rope), each eager and compiled with
+    inductor (``dynamic=True``: one graph for every block size). Per call: microseconds (median of
+    3 rounds of ``calls`` calls) and whether the compiled output is bit-identical to eager —
+    the runtime keeps a compiled section only if it is both faster and identical."""
+    import torch.nn.functional as F
+
+    from specdec.runtime.model import apply_rope, rms_norm
+
+    w = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
+
+    def norm_add(x, o):
+        x = x + o
+        return rms_norm(x, w, 1e-6, False)
+
+    def gate(gu):
+        g, u = gu.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    sections = {"residual + RMSNorm": (norm_add, lambda t: (torch.randn(1, t, hidden) * 3, torch.randn(1, t, hidden))),
+                "SiLU gate": (gate, lambda t: (torch.randn(1, t, 2 * intermediate) * 4,)),
+                "rope": (apply_rope, lambda t: (torch.randn(1, t, heads + 2, head_dim), torch.randn(1, t, 1, head_dim),
+                                                torch.randn(1, t, 1, head_dim)))}
+
+    def per_call(fn, args) -> float:
+        for _ in range(50):
+            fn(*args)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn(*args)
+            times.append((time.perf_counter() - t) / calls * 1e6)
+        return statistics.median(times)
+
+    print("| section | rows | eager us | compiled us | compiled/eager | bit-identical |\n|---|---|---|---|---|---|")
+    for name, (fn, make) in sections.items():
+        compiled = torch.compile(fn, dynamic=True)
+        for t in rows:
+            args = make(t)
+            same = torch.equal(fn(*args), compiled(*args))
+            e, c = per_call(fn, args), per_call(compiled, args)
+            print(f"| {name} | {t} | {e:.1f} | {c:.1f} | {c / e:.2f} | {'yes' if same else 'no'} |", flush=True)
+
+
 def toy_fast_vs_reference(tokens: int, repeats: int) -> None:
     """The toy experiment's two modes simulating the same number of tokens (plain target sampling
     + speculative sampling) on the seed pair; the ratio of medians."""
@@ -279,6 +328,7 @@ def main() -> None:
     dt.add_argument("--tokens", type=int, default=64)
     dt.add_argument("--runs", type=int, default=3)
     sub.add_parser("step", help="where one decoding step's time goes (default target and draft, q4)")
+    sub.add_parser("compile", help="torch.compile of a block's elementwise sections vs eager (time, bit-identity)")
     toy = sub.add_parser("toy", help="the toy experiment: reference loop vs --fast mode")
     toy.add_argument("--tokens", type=int, default=100_000)
     toy.add_argument("--repeats", type=int, default=3)
@@ -289,6 +339,8 @@ def main() -> None:
         compare_dtypes(args.target, args.dtypes.split(","), args.tokens, args.runs)
     elif args.what == "step":
         step_profile()
+    elif args.what == "compile":
+        compile_trial()
     else:
         toy_fast_vs_reference(args.tokens, args.repeats)
 

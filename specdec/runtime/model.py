@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from specdec.runtime import attention
+from specdec.runtime import attention, elementwise
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.linear import LinearBuilder, activation_dtype
@@ -28,7 +28,9 @@ from specdec.runtime.linear import LinearBuilder, activation_dtype
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
     if not gemma and x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one op, the same bits as below (tested)
+        if elementwise.supported(x, x.shape[-1]) and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return elementwise.rms_norm(x.contiguous(), weight, eps)  # one call, fixed order, batch invariant
+        return F.rms_norm(x, weight.shape, weight, eps)  # training (autograd): torch's fused op
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if gemma:  # Gemma multiplies in fp32 by (1 + w) before casting back
@@ -104,8 +106,11 @@ class Block(torch.nn.Module):
             k = rms_norm(qkv[..., q_size : q_size + kv_size].view(bsz, t, cfg.num_kv_heads, cfg.head_dim),
                          self.k_norm, cfg.rms_norm_eps, True)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:  # one rotation for q and k together (elementwise: the same values)
-            qk = apply_rope(qkv[..., : q_size + kv_size].view(bsz, t, heads, cfg.head_dim), cos, sin)  # [B, T, Hq+Hkv, D]
+        else:  # q and k rotated together: one kernel call (apply_rope's operations, the same bits)
+            if qkv.dtype == torch.float32 and qkv.stride(-1) == 1:
+                qk = elementwise.rope(qkv, cos, sin, heads)  # [B, T, Hq+Hkv, D]
+            else:
+                qk = apply_rope(qkv[..., : q_size + kv_size].view(bsz, t, heads, cfg.head_dim), cos, sin)
             q, k = qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads :]  # [B, T, Hq, D], [B, T, Hkv, D]
         v = qkv[..., q_size + kv_size :].view(bsz, t, cfg.num_kv_heads, cfg.head_dim)
         cache.write(self.layer, k.transpose(1, 2), v.transpose(1, 2), slots, common_start)  # cast on copy
@@ -121,9 +126,13 @@ class Block(torch.nn.Module):
         else:
             x = x + out
             h = self._norm("post_attention_layernorm", x)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if cfg.is_gemma else F.silu(gate)
-        mlp = self.down(act * up)
+        gate_up = self.gate_up(h)  # [B, T, 2I]: gate, then up
+        if not cfg.is_gemma and gate_up.is_contiguous() and elementwise.supported(gate_up, gate_up.shape[-1]):
+            mlp = self.down(elementwise.silu_mul(gate_up))  # one call (fixed-order fp32, batch invariant)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if cfg.is_gemma else F.silu(gate)
+            mlp = self.down(act * up)
         if cfg.is_gemma:
             mlp = self._norm("post_feedforward_layernorm", mlp)
         return x + mlp
@@ -147,7 +156,8 @@ class Transformer(torch.nn.Module):
         super().__init__()
         if cfg.head_dim % attention.LANES:
             raise ValueError(f"head_dim {cfg.head_dim} is not a multiple of {attention.LANES}, which the attention kernel needs")
-        attention.kernel()  # built now (once per machine), so its compile time is load time, not a request's
+        attention.kernel()  # built now (once per machine), so their compile time is load time, not a request's
+        elementwise.kernel()
         linear = LinearBuilder(dtype, act_absmax, quantized)
         self.cfg, self.dtype_name = cfg, dtype
         self.act_dtype = activation_dtype(dtype)

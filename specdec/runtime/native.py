@@ -1,4 +1,5 @@
-"""Building specdec's two small C++ kernels (``kernels/q4.cpp``, ``kernels/attention.cpp``).
+"""Building specdec's small C++ kernels (``kernels/q4.cpp``, ``kernels/attention.cpp``,
+``kernels/elementwise.cpp``).
 
 Each is compiled once per machine with the system's compiler through
 ``torch.utils.cpp_extension`` and cached under ``$SPECDEC_HOME/kernels``, keyed by its source,
@@ -43,10 +44,11 @@ def build_all() -> list[str]:
     """Compile (once per machine) every kernel this CPU can run, so that no later call pays for
     it: the install step (``specdec models install``) calls this; loading a model builds its
     kernels too, so their compile time is load time, never a request's time to first token."""
-    from specdec.runtime import attention, q4
+    from specdec.runtime import attention, elementwise, q4
 
     attention.kernel()
-    built = ["attention"]
+    elementwise.kernel()
+    built = ["attention", "elementwise"]
     if q4.available():
         q4.kernel()
         built.append("q4")

@@ -23,6 +23,11 @@ from specdec.sampling import SamplingParams
 # What speculates when the caller names no proposer and loads no draft model but the target has a
 # draft head: measured best on this CPU (docs/BENCHMARKS.md §8).
 DEFAULT_HEAD_PROPOSER = "hybrid"
+# A draft model computes logits only for this many frequent ids (FR-Spec; heads.frequent_ids):
+# on the 0.5B draft, its output layer shrinks from 151,936 to 65,536 rows (~50 MB fewer bytes per
+# draft token) at the same acceptance on code (docs/BENCHMARKS.md §18). Exact whatever the size:
+# the other ids get q = 0 and are never drafted.
+DRAFT_VOCAB = 65536
 
 _EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>")
 
@@ -78,6 +83,7 @@ class TextGenerator:
     eos_token_ids: set[int] = field(default_factory=set)
     head_path: Path | None = None  # the draft head to use, loaded on first use (see draft_head)
     _head: DraftHead | None = None
+    _draft_view: tuple | None = None  # (the draft with its pruned output layer, its ids), built on first use
     # Earlier outputs, shared by the suffix proposers of later calls (what other requests wrote).
     suffix_history: SuffixHistory = field(default_factory=SuffixHistory)
 
@@ -108,6 +114,20 @@ class TextGenerator:
                                  "train one with `specdec train-head` and pass its file (head=PATH)")
             self._head = heads.load_head(self.head_path, self.target)
         return self._head
+
+    def draft_model(self):
+        """The draft model as proposers use it: ``(model, ids)``, its output layer restricted to
+        :data:`DRAFT_VOCAB` frequent ids (``ids`` None when the vocabulary is no larger)."""
+        if self._draft_view is None:
+            if self.draft is None:
+                raise ValueError("proposer 'draft' needs a draft model (draft=NAME_OR_PATH)")
+            model, ids = self.draft.model, None
+            if model.vocab_size > DRAFT_VOCAB:
+                ids = heads.frequent_ids(self.target.name, model.vocab_size, DRAFT_VOCAB)
+                model = model.with_output_rows(heads.output_rows(self.draft, ids))
+                loading.release_freed_memory()
+            self._draft_view = (model, ids)
+        return self._draft_view
 
     def make_proposer(self, kind: str, capacity: int, ngram=(2, 4), exit_layer: int | None = None):
         return _make_proposer(self, kind, capacity, ngram, exit_layer)
@@ -233,7 +253,9 @@ def _make_proposer(gen: "TextGenerator", kind: str, capacity: int, ngram: tuple[
         layers = exit_layer or max(1, gen.target.model.cfg.num_layers // 4)
         model_draft = DraftModelProposer(gen.target.model.truncated(layers), capacity)
     else:
-        model_draft = DraftModelProposer(gen.draft.model, capacity)
+        model, ids = gen.draft_model()
+        model_draft = DraftModelProposer(model, capacity, vocab_ids=ids,
+                                         vocab_size=None if ids is None else gen.draft.model.vocab_size)
     if backing == "tree":
         return HybridProposer(SuffixProposer(history=gen.suffix_history), model_draft)
     if backing is not None:

@@ -96,3 +96,25 @@ def loading_params():
     from specdec.sampling import SamplingParams
 
     return SamplingParams(temperature=0.0)
+
+
+def test_draft_model_is_pruned_to_frequent_ids_in_one_place(hf_dir, monkeypatch):
+    """Every draft proposer the API builds uses the draft with its output layer restricted to
+    DRAFT_VOCAB ids (here 40 of 97: no head shipped for this target, so the 40 lowest ids);
+    greedy output stays the target's own."""
+    import specdec.api as api
+    import torch
+
+    monkeypatch.setattr(api, "DRAFT_VOCAB", 40)
+    directory, _ = hf_dir
+    gen = TextGenerator.load(str(directory), str(directory), dtype="int8")
+    model, ids = gen.draft_model()
+    assert torch.equal(ids, torch.arange(40))
+    cache = model.new_cache(1, 8)
+    assert model(torch.tensor([[5, 6, 7]]), cache).shape[-1] == 40
+    assert gen.draft_model()[0] is model  # built once
+    prompt = [5, 6, 7]
+    plain = gen.generate([prompt], loading_params(), 12, proposer="none")[0]
+    for kind in ("draft", "hybrid"):
+        spec = gen.generate([prompt], loading_params(), 12, k=3, proposer=kind)[0]
+        assert spec.token_ids == plain.token_ids

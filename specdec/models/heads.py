@@ -28,6 +28,28 @@ def shipped(target_name: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def frequent_ids(target_name: str, vocab_size: int, size: int) -> torch.Tensor:
+    """``size`` token ids, sorted, for a draft that drafts only likely tokens (FR-Spec): the
+    frequency-ranked subset of the head shipped for ``target_name`` (ranked on its training
+    text), then the lowest ids — byte-level BPE numbers tokens in the order it merged them, so
+    low ids are the tokens most frequent in the tokenizer's own (multilingual) training text.
+    Coverage of the target's greedy tokens on the bench's answers, measured: docs/BENCHMARKS.md §18."""
+    from safetensors import safe_open
+
+    size = min(size, vocab_size)
+    path = shipped(target_name)
+    chosen: set[int] = set()
+    if path is not None:
+        with safe_open(str(path), "pt") as f:
+            chosen = {i for i in f.get_tensor("vocab_ids").tolist() if i < vocab_size}
+    chosen = set(sorted(chosen)[:size])
+    low = 0
+    while len(chosen) < size:
+        chosen.add(low)
+        low += 1
+    return torch.tensor(sorted(chosen))
+
+
 def output_rows(target: LoadedModel, ids: torch.Tensor | None = None) -> torch.Tensor:
     """The target's output layer in fp32, read from its weights on disk: all ``[V, E]``, or only
     the rows ``ids`` (read in chunks, so a head load never holds the whole matrix)."""

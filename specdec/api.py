@@ -168,12 +168,15 @@ class TextGenerator:
         k_max: int = 8,
         ngram: tuple[int, int] = (2, 4),
         exit_layer: int | None = None,
+        ignore_eos: bool = False,
     ) -> list[TextResult]:
         """Generate for token-id prompts; exact target sampling whatever speculates.
 
         ``proposer``: one of :data:`PROPOSERS` ("none": plain decoding), or None for the default
         (:func:`resolve_proposer`: the draft model if one is loaded, else the target's draft head
-        if it has one, else plain decoding). ``k``: draft tokens per step or "auto"; 0 = plain."""
+        if it has one, else plain decoding). ``k``: draft tokens per step or "auto"; 0 = plain.
+        ``ignore_eos`` (as vLLM's): generate past end-of-sequence tokens, up to ``max_new_tokens``
+        or a stop string (benchmarks measuring a fixed length)."""
         stop = [s for s in (stop or []) if s]
         streams = [TextStream(self.target.tokenizer, stop) for _ in prompts]
 
@@ -199,7 +202,7 @@ class TextGenerator:
             k=k if impl else 0,
             k_max=k_max,
             seed=seed,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=set() if ignore_eos else self.eos_token_ids,
             stop_checker=stop_checker if stop else None,
             on_tokens=on_tokens if on_text else None,
         )

@@ -143,7 +143,7 @@ def test_stop_at_eos_ends_a_run_where_the_answer_ends(tmp_path):
     prompt = [5, 6, 7, 8, 9, 10]
     full = bench.run("plain", prompt, 0.0, seed=0)["token_ids"]
     assert len(full) == 40
-    bench.eos_token_ids = {full[3]}  # pretend the 4th generated token ends the turn
+    bench.gen.eos_token_ids = {full[3]}  # pretend the 4th generated token ends the turn
     for method in ("plain", "ngram"):
         stopped = bench.run(method, prompt, 0.0, seed=0, stop_at_eos=True)["token_ids"]
         assert stopped == full[: full.index(full[3]) + 1]

@@ -89,8 +89,6 @@ class Bench:
         from specdec.api import TextGenerator
 
         self.gen = TextGenerator.load(target, draft, dtype, head=head)
-        self.eos_token_ids = self.gen.eos_token_ids
-        self.gen.eos_token_ids = set()  # every method generates exactly max_new_tokens (unless stop_at_eos)
         self.dtype, self.max_new_tokens, self.k, self.k_max = dtype, max_new_tokens, k, k_max
         self._hf = None
         self._llamacpp = None
@@ -134,9 +132,9 @@ class Bench:
         # answers is shared by a generator's calls, and would otherwise hold other methods'
         # answers to this very prompt (a greedy answer is then predicted whole).
         self.gen.suffix_history = SuffixHistory()
-        self.gen.eos_token_ids = self.eos_token_ids if stop_at_eos else set()
         result = self.gen.generate([prompt_ids], SamplingParams(temperature=temperature), self.max_new_tokens,
-                                   k=k, seed=seed, proposer=proposer, k_max=self.k_max)[0]
+                                   k=k, seed=seed, proposer=proposer, k_max=self.k_max,
+                                   ignore_eos=not stop_at_eos)[0]  # else every method generates max_new_tokens
         return {"token_ids": result.token_ids, "metrics": result.batch_metrics.to_dict()}
 
 

@@ -30,7 +30,8 @@ def kernel():
     if _kernel is None:
         # -march=native: the 16-lane loops become one AVX-512 (or two AVX2) operation each; the
         # results do not depend on the vector width (lane-wise operations, no reassociation).
-        _kernel = native.build("attention", "attention.cpp", flags=("-march=native", "-mprefer-vector-width=512"))
+        _kernel = native.build("attention", "attention.cpp", depends=("exp16.h",),
+                               flags=("-march=native", "-mprefer-vector-width=512"))
     return _kernel
 
 

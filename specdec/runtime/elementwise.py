@@ -18,7 +18,8 @@ _kernel = None
 def kernel():
     global _kernel
     if _kernel is None:
-        _kernel = native.build("elementwise", "elementwise.cpp", flags=("-march=native", "-mprefer-vector-width=512"))
+        _kernel = native.build("elementwise", "elementwise.cpp", depends=("exp16.h",),
+                               flags=("-march=native", "-mprefer-vector-width=512"))
     return _kernel
 
 

@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #include <vector>
 
+#include "exp16.h"
+
 namespace {
 
 constexpr int kLanes = 16;
@@ -39,26 +41,6 @@ inline float dot16(const float* q, const float* k, int64_t D) {
   return a[0] + a[1];
 }
 
-inline float exp16(float x) {  // x <= 0
-  if (x < -87.0f) return 0.0f;
-  const float n = std::nearbyint(x * 0x1.715476p+0f);
-  float r = x - n * 0x1.63p-1f;
-  r = r - n * -0x1.bd0106p-13f;
-  float p = 0x1.a0d2cep-13f;
-  p = p * r + 0x1.6e879cp-10f;
-  p = p * r + 0x1.111210p-7f;
-  p = p * r + 0x1.555382p-5f;
-  p = p * r + 0x1.555554p-3f;
-  p = p * r + 0x1.0p-1f;
-  const float z = r * r;
-  float y = p * z;
-  y = y + r;
-  y = y + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return y * two_n;
-}
 
 #ifdef __AVX512F__
 // The same operations, 16 lanes per instruction (identical results: lane-wise, same order).

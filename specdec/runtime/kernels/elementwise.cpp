@@ -8,7 +8,7 @@
 //              (l, l+8), (l, l+4), (l, l+2), (0, 1)), r = 1 / sqrt(s * (1/E) + eps) (1/E rounded to fp32 once),
 //              y = (x * r) * w
 //   silu_mul:  [g | u] -> g * sigma(g) * u with e = exp16(-|g|), sigma = 1/(1+e) for g >= 0,
-//              e/(1+e) otherwise (exp16: the attention kernel's Cephes polynomial; exp of a
+//              e/(1+e) otherwise (exp16.h: the Cephes polynomial the attention kernel uses too; exp of a
 //              non-positive number only), computed as (g * sigma) * u
 //   rope:      the first H heads of a [.., W] row (head size D): x * cos + roll(x, D/2) * sin
 //              (sin carries the sign of rotate_half, see specdec/runtime/model.py)
@@ -21,30 +21,12 @@
 #include <cstring>
 #include <vector>
 
+#include "exp16.h"
+
 namespace {
 
 constexpr int kLanes = 16;
 
-inline float exp16(float x) {  // x <= 0; the same constants and steps as the attention kernel
-  // round-half-even of x * log2(e) by adding and subtracting 1.5 * 2^23 (exact for |v| < 2^22),
-  // branch-free so the loops vectorize
-  const float n = (x * 0x1.715476p+0f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0x1.63p-1f;
-  r = r - n * -0x1.bd0106p-13f;
-  float p = 0x1.a0d2cep-13f;
-  p = p * r + 0x1.6e879cp-10f;
-  p = p * r + 0x1.111210p-7f;
-  p = p * r + 0x1.555382p-5f;
-  p = p * r + 0x1.555554p-3f;
-  p = p * r + 0x1.0p-1f;
-  float y = p * (r * r);
-  y = y + r;
-  y = y + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return x < -87.0f ? 0.0f : y * two_n;
-}
 
 // Rows of a call run on one thread unless the call is large (prefill): per-call thread wake-ups
 // cost more than the work for a few rows.

@@ -32,6 +32,7 @@ import torch
 from specdec.adaptive import AdaptiveK, TreeBudget
 from specdec.metrics import GenerationMetrics, Timings
 from specdec.proposers.base import Proposal, Proposer
+from specdec.runtime import elementwise
 from specdec.runtime.model import Transformer
 from specdec.sampling import SamplingParams, probs_per_row, sample_at
 from specdec.reproducible import PositionUniforms, put_rows, verify_chain_drawn, verify_tree_drawn
@@ -379,7 +380,7 @@ class Engine:
         the target's inverse-CDF draws at their own uniforms (:mod:`specdec.reproducible`); the
         others go through rejection sampling from the engine's stream (the best acceptance of
         sampled drafts)."""
-        if not bool(torch.isfinite(logits).all()):
+        if not elementwise.all_finite(logits):
             raise ValueError("the target model produced non-finite logits")
         batch = len(rows)
         kinds = [0 if r.request.params.greedy else 1 if r.uniforms is not None else 2 for r in rows]
@@ -399,7 +400,7 @@ class Engine:
         drawn = torch.zeros(logits.shape[:2], dtype=torch.long)  # [B, k+1]: the target's token at each slot
         greedy = [i for i, kind in enumerate(kinds) if kind == 0]
         if greedy:
-            drawn[greedy] = logits[greedy].argmax(-1)
+            drawn[greedy] = elementwise.argmax(logits if len(greedy) == batch else logits[greedy])
         seeded = [i for i, kind in enumerate(kinds) if kind == 1]
         if seeded:
             depth = proposal.node_depths[seeded] if proposal.is_tree else None

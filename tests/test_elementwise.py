@@ -80,3 +80,27 @@ def test_rope_kernel_gives_apply_rope_bits(bt):
     y = ew.rope(qkv, c, s, heads)
     assert torch.equal(y, apply_rope(qkv[..., : heads * d].reshape(b, t, heads, d), c, s))
     assert torch.equal(y, ew.reference_rope(qkv, c, s, heads))
+
+
+@pytest.mark.parametrize("shape", [(1, 151936), (2, 5, 151936), (3, 97), (1, 1), (4, 17)])
+def test_argmax_kernel_equals_torch_first_maximum(shape):
+    g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    x = torch.randn(*shape, generator=g) * 10
+    assert torch.equal(ew.argmax(x), x.argmax(-1))
+    ties = torch.randint(0, 3, shape, generator=g).float()  # many equal maxima: the first one wins
+    ties[..., -1] = 2.0
+    assert torch.equal(ew.argmax(ties), ties.argmax(-1))
+    x[..., 0] = float("-inf")  # masked ids (top-k, subsets) are never the maximum of a finite row
+    assert torch.equal(ew.argmax(x), x.argmax(-1))
+
+
+def test_all_finite_sees_nan_and_inf_anywhere():
+    x = torch.randn(2, 5, 1000)
+    assert ew.all_finite(x)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[1, 3, 777] = value
+        assert not ew.all_finite(y)
+    y = x.clone()
+    y[0, 0, 0], y[1, 1, 1] = float("inf"), float("-inf")
+    assert not ew.all_finite(y)

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from specdec.runtime import elementwise
 from specdec.sampling import SamplingParams, probs_per_row, sample
 
 
@@ -29,9 +30,9 @@ def draft_token(logits: torch.Tensor, params: list[SamplingParams], generator: t
     left out, so the same uniform picks the same token, over fewer ids. ``who`` names the model
     in the error for non-finite logits."""
     if all(p.greedy for p in params):
-        best = logits.argmax(-1)  # [B]
+        best = elementwise.argmax(logits)  # [B]
         return (best if vocab_ids is None else vocab_ids[best]).unsqueeze(1), None
-    if not torch.isfinite(logits).all():
+    if not elementwise.all_finite(logits):
         raise ValueError(f"the {who} produced non-finite logits")
     sub = probs_per_row(logits, params)  # [B, N]
     picked = sample(sub, generator)  # [B]

@@ -1,5 +1,5 @@
 """A block's elementwise steps between its linear layers — RMSNorm, the SiLU gate, rotary
-embedding — as one C++ call each (``kernels/elementwise.cpp``) instead of 3-6 small torch ops
+embedding — and the logits' argmax, as one C++ call each (``kernels/elementwise.cpp``) instead of 3-6 small torch ops
 (measured in docs/BENCHMARKS.md §18). Each output is one fixed sequence of fp32 operations on
 its own row, so results do not depend on the other rows of the call (batch invariance); the
 ``reference_*`` functions below are the same operations in plain torch, tested bit for bit.
@@ -43,6 +43,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> t
     """The first ``heads`` heads of ``x`` ``[B, T, W]`` rotated -> ``[B, T, heads, D]``;
     ``cos``/``sin`` ``[B, T, 1, D]`` from :func:`specdec.runtime.model.rope_tables` (signed sin)."""
     return kernel().rope(x, cos, sin, heads)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(x, -1)`` (the first maximum) for finite rows, ~15x faster on a 152k-wide
+    vocabulary; other dtypes and layouts go to torch."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[-1] == 0:
+        return x.argmax(-1)
+    return kernel().argmax(x)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether no value of ``x`` is NaN or infinite, in one summing pass (a NaN or inf makes the
+    sum NaN or inf; ~15x faster than ``isfinite(x).all()`` on logits). A sum that overflows
+    (values ~1e33 or more) also reads as not finite: such logits are broken too."""
+    return bool(torch.isfinite(x.sum()))
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -115,7 +115,43 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
   return y;
 }
 
+// Index of the first maximum of each row of x [..., N] (torch.argmax's answer for finite rows):
+// a max pass (vectorizes), then the first index holding it. torch's argmax tracks indices in
+// one scalar pass, ~270 us per 152k-wide row here (docs/BENCHMARKS.md §18).
+torch::Tensor argmax(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
+              "argmax: contiguous fp32 [..., N], N > 0");
+  const int64_t N = x.size(-1), M = x.numel() / N;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  auto out = torch::empty(shape, x.options().dtype(torch::kLong));
+  const float* X = x.data_ptr<float>();
+  int64_t* O = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* r = X + m * N;
+      float a[kLanes];
+      for (int l = 0; l < kLanes; ++l) a[l] = r[0];
+      int64_t i = 0;
+      for (; i + kLanes <= N; i += kLanes)
+        for (int l = 0; l < kLanes; ++l) a[l] = r[i + l] > a[l] ? r[i + l] : a[l];
+      float best = a[0];
+      for (int l = 1; l < kLanes; ++l) best = a[l] > best ? a[l] : best;
+      for (; i < N; ++i) best = r[i] > best ? r[i] : best;
+      int64_t c = 0;  // the first block of 16 holding the maximum (the compare vectorizes), then its index
+      for (; c + kLanes <= N; c += kLanes) {
+        int hit = 0;
+        for (int l = 0; l < kLanes; ++l) hit |= r[c + l] == best;
+        if (hit) break;
+      }
+      while (r[c] != best) ++c;
+      O[m] = c;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax", &argmax, "first index of each row's maximum");
   m.def("rms_norm", &rms_norm, "RMSNorm, fixed-order fp32 (batch invariant)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up from [..., 2I]");
   m.def("rope", &rope, "rotary embedding of the first heads of each row");

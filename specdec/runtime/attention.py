@@ -22,17 +22,13 @@ import torch
 from specdec.runtime import native
 
 LANES = 16  # the kernel's dot products: 16 lane sums then a fixed tree; head_dim % 16 == 0
-_kernel = None
+_FLAGS = ("-march=native", "-mprefer-vector-width=512")
 
 
 def kernel():
-    global _kernel
-    if _kernel is None:
-        # -march=native: the 16-lane loops become one AVX-512 (or two AVX2) operation each; the
-        # results do not depend on the vector width (lane-wise operations, no reassociation).
-        _kernel = native.build("attention", "attention.cpp", depends=("exp16.h",),
-                               flags=("-march=native", "-mprefer-vector-width=512"))
-    return _kernel
+    # -march=native: the 16-lane loops become one AVX-512 (or two AVX2) operation each; the
+    # results do not depend on the vector width (lane-wise operations, no reassociation).
+    return native.build("attention", "attention.cpp", depends=("exp16.h",), flags=_FLAGS)
 
 
 @dataclass(frozen=True)

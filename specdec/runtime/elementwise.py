@@ -10,17 +10,12 @@ from __future__ import annotations
 import torch
 
 from specdec.runtime import native
-from specdec.runtime.attention import LANES, _exp16
+from specdec.runtime.attention import _FLAGS, LANES, _exp16
 
-_kernel = None
 
 
 def kernel():
-    global _kernel
-    if _kernel is None:
-        _kernel = native.build("elementwise", "elementwise.cpp", depends=("exp16.h",),
-                               flags=("-march=native", "-mprefer-vector-width=512"))
-    return _kernel
+    return native.build("elementwise", "elementwise.cpp", depends=("exp16.h",), flags=_FLAGS)
 
 
 def supported(x: torch.Tensor, width: int) -> bool:

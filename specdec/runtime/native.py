@@ -9,6 +9,7 @@ flags and torch version; concurrent first uses build it once (a file lock).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -22,8 +23,10 @@ KERNELS = Path(__file__).with_name("kernels")
 BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
 
 
+@functools.cache
 def build(stem: str, source: str, depends: tuple[str, ...] = (), flags: tuple[str, ...] = ()):
-    """Compile (once) and load ``kernels/<source>``; ``depends`` are headers it includes."""
+    """Compile (once per machine) and load (once per process) ``kernels/<source>``; ``depends``
+    are headers it includes. Callers simply call this each time they need the module."""
     from torch.utils.cpp_extension import load
 
     from specdec.models import cache

@@ -38,7 +38,6 @@ CODE_BYTES = TILE * GROUP // 2  # 256: the 4-bit codes of one tile and one group
 CHUNK = CODE_BYTES + 2 * TILE * 2  # 320: codes, then 16 fp16 scales, then 16 fp16 mins
 
 _FLAGS = ("-mavx2", "-mfma", "-mf16c")
-_kernel = None
 
 
 def available() -> bool:
@@ -145,12 +144,9 @@ def reference_linear(x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.T
 
 def kernel():
     """The compiled kernel module (built on first use, cached per machine under $SPECDEC_HOME)."""
-    global _kernel
-    if _kernel is None:
-        if not available():
-            raise RuntimeError("the 4-bit kernel needs a CPU with AVX2; use dtype int8")
-        _kernel = native.build("q4", "q4.cpp", depends=("q4_blocks.h",), flags=_FLAGS)
-    return _kernel
+    if not available():
+        raise RuntimeError("the 4-bit kernel needs a CPU with AVX2; use dtype int8")
+    return native.build("q4", "q4.cpp", depends=("q4_blocks.h",), flags=_FLAGS)
 
 
 class Q4Linear(torch.nn.Module):

@@ -126,3 +126,51 @@ def test_every_group_size_matches_the_reference(hq, hkv, code_path):
     q, k, v = _qkv(hq * hkv, b=2, t=3, hq=hq, hkv=hkv, s=40)
     vis = attention.chain(torch.tensor([4, 20]), 3)
     assert torch.equal(attention.attend(q, k, v, vis, 0.3), attention.reference_attend(q, k, v, vis, 0.3))
+
+
+def _block_run(model, fused: bool):
+    """Logits and cache of a prefill, a 3-token chain block and a 4-node tree block, with every
+    block run fused (one kernel call for rope, cache write and attention) or op by op."""
+    for block in model.blocks:
+        block.fused = fused
+    cache = model.new_cache(2, 32)
+    g = torch.Generator().manual_seed(3)
+    out = [model(torch.randint(0, 97, (2, 7), generator=g), cache)]
+    out.append(model(torch.randint(0, 97, (2, 3), generator=g), cache))
+    parents = [-1, 0, 0, 1]  # a root child with two children, one grandchild
+    mask = torch.eye(4, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        while p >= 0:
+            mask[i, p], p = True, parents[p]
+    depth = torch.tensor([0, 1, 1, 2])
+    out.append(model(torch.randint(0, 97, (2, 4), generator=g), cache, tree_mask=mask.expand(2, 4, 4),
+                     positions=cache.lengths.unsqueeze(1) + depth))
+    return out, cache.k.clone(), cache.v.clone()
+
+
+@pytest.mark.parametrize("kind, dtype", [("qwen2", "float32"), ("llama", "float32"), ("qwen2", "int8"), ("qwen2", "q4")])
+def test_fused_block_gives_the_bits_of_the_op_by_op_block(kind, dtype):
+    """Issue 11: the fused sublayer (kernels/attention.cpp attend_block) must not change a bit:
+    logits of prefill, chain and tree blocks and every cache entry equal the op-by-op path's
+    (rope kernel, cache.write, attend) — two separate implementations, compared exactly."""
+    from specdec.runtime import q4
+    from tiny_models import hf_tiny, ours
+
+    if dtype == "q4" and not q4.available():
+        pytest.skip("the 4-bit kernel needs an AVX2 CPU")
+    model = ours(hf_tiny(kind), dtype)
+    assert all(block.fused for block in model.blocks)  # the default for fp32 llama-family blocks
+    fused, k1, v1 = _block_run(model, True)
+    ops, k0, v0 = _block_run(model, False)
+    for a, b in zip(fused, ops):
+        assert torch.equal(a, b)
+    assert torch.equal(k1, k0) and torch.equal(v1, v0)
+
+
+def test_fused_block_rejects_a_slot_outside_the_cache():
+    q, k, v = _qkv(0, b=1, t=1, hq=2, hkv=1, d=16, s=8)
+    qkv = torch.randn(1, 1, 4 * 16)
+    cos, sin = torch.ones(1, 1, 1, 16), torch.zeros(1, 1, 1, 16)
+    vis = attention.chain(torch.tensor([0]), 1)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        attention.attend_block(qkv, cos, sin, k, v, torch.tensor([[8]]), vis, 0.25, 2)

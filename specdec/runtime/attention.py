@@ -28,7 +28,7 @@ _FLAGS = ("-march=native", "-mprefer-vector-width=512")
 def kernel():
     # -march=native: the 16-lane loops become one AVX-512 (or two AVX2) operation each; the
     # results do not depend on the vector width (lane-wise operations, no reassociation).
-    return native.build("attention", "attention.cpp", depends=("exp16.h",), flags=_FLAGS)
+    return native.build("attention", "attention.cpp", depends=("exp16.h", "rope.h"), flags=_FLAGS)
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, s
         q = q.contiguous()
     out = kernel().attend(q, k, v, vis.lo, vis.hi, vis.extra_ptr, vis.extra, scale)
     return out.to(dtype)
+
+
+def attend_block(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slots: torch.Tensor, vis: Visibility, scale: float, num_heads: int) -> torch.Tensor:
+    """A llama block's attention sublayer in one kernel call: rotate the queries and keys of
+    ``qkv`` ``[B, T, (Hq + 2 Hkv) D]`` (``cos``/``sin`` ``[B, T, 1, D]``, signed sin; the bits of
+    :func:`specdec.runtime.model.apply_rope`), store the keys and values at ``slots`` ``[B, T]``
+    of ``k``/``v`` ``[B, Hkv, S, D]`` (a layer of the cache, written in place), then
+    :func:`attend` -> ``[B, T, Hq * D]``. All fp32."""
+    return kernel().attend_block(qkv, cos, sin, k, v, slots, vis.lo, vis.hi, vis.extra_ptr, vis.extra, scale, num_heads)
 
 
 # The kernel's exp: Cephes' expf polynomial with these float constants (hex = exact float values).

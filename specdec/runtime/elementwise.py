@@ -15,7 +15,7 @@ from specdec.runtime.attention import _FLAGS, LANES, _exp16
 
 
 def kernel():
-    return native.build("elementwise", "elementwise.cpp", depends=("exp16.h",), flags=_FLAGS)
+    return native.build("elementwise", "elementwise.cpp", depends=("exp16.h", "rope.h"), flags=_FLAGS)
 
 
 def supported(x: torch.Tensor, width: int) -> bool:

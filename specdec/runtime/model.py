@@ -83,6 +83,10 @@ class Block(torch.nn.Module):
             self.q_norm = w("self_attn.q_norm.weight").float()
             self.k_norm = w("self_attn.k_norm.weight").float()
         self.sliding = cfg.is_gemma and cfg.layer_is_sliding[layer]
+        # fp32 llama blocks run as seven kernel calls (_forward_fused); Gemma and bf16 op by op
+        self.fused = (not cfg.is_gemma and act == torch.float32 and cfg.hidden_size % elementwise.LANES == 0
+                      and cfg.intermediate_size % elementwise.LANES == 0)
+        self.scale = cfg.query_pre_attn_scalar**-0.5 if cfg.is_gemma else 1.0 / math.sqrt(cfg.head_dim)
 
     def _norm_names(self) -> list[str]:
         names = ["input_layernorm", "post_attention_layernorm"]
@@ -94,6 +98,23 @@ class Block(torch.nn.Module):
         return rms_norm(x, self.norms[name], self.cfg.rms_norm_eps, self.cfg.is_gemma)
 
     def forward(self, x, cache: KVCache, slots, common_start, rope, visible) -> torch.Tensor:
+        if self.fused:
+            return self._forward_fused(x, cache, slots, rope["global"], visible["global"])
+        return self._forward_ops(x, cache, slots, common_start, rope, visible)
+
+    def _forward_fused(self, x, cache: KVCache, slots, rope, visible) -> torch.Tensor:
+        """x ``[B, T, E]`` fp32 contiguous. The operations of :meth:`_forward_ops` (the same
+        bits), with rope, the cache write and attention in one kernel call: a layer costs seven
+        calls and little Python (the 0.5B draft's step is ~30% Python and small ops otherwise)."""
+        eps = self.cfg.rms_norm_eps
+        keys, values = cache.layer(self.layer)  # [B, Hkv, capacity, D], written in place
+        qkv = self.qkv(elementwise.rms_norm(x, self.norms["input_layernorm"], eps))  # [B, T, (Hq + 2 Hkv) D]
+        attn = attention.attend_block(qkv, *rope, keys, values, slots, visible, self.scale, self.cfg.num_heads)  # [B, T, Hq D]
+        x = x + self.o(attn)
+        h = elementwise.rms_norm(x, self.norms["post_attention_layernorm"], eps)
+        return x + self.down(elementwise.silu_mul(self.gate_up(h)))  # gate_up [B, T, 2I]
+
+    def _forward_ops(self, x, cache: KVCache, slots, common_start, rope, visible) -> torch.Tensor:
         cfg = self.cfg
         bsz, t, _ = x.shape
         h = self._norm("input_layernorm", x)
@@ -114,9 +135,8 @@ class Block(torch.nn.Module):
             q, k = qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads :]  # [B, T, Hq, D], [B, T, Hkv, D]
         v = qkv[..., q_size + kv_size :].view(bsz, t, cfg.num_kv_heads, cfg.head_dim)
         cache.write(self.layer, k.transpose(1, 2), v.transpose(1, 2), slots, common_start)  # cast on copy
-        scale = cfg.query_pre_attn_scalar**-0.5 if cfg.is_gemma else 1.0 / math.sqrt(cfg.head_dim)
         keys, values = cache.layer(self.layer)  # [B, Hkv, capacity, D]
-        attn = attention.attend(q, keys, values, visible["local" if self.sliding else "global"], scale)  # [B, T, Hq, D]
+        attn = attention.attend(q, keys, values, visible["local" if self.sliding else "global"], self.scale)  # [B, T, Hq, D]
         attn = attn.reshape(bsz, t, q_size)
         out = self.o(attn)
         if cfg.is_gemma:
@@ -285,7 +305,8 @@ class Transformer(torch.nn.Module):
             )
         visible = self._per_query_visibility(start, positions, tree_mask, t, tree_base)
         rope = self._rope_for(positions)
-        common_start = cache.common_start(slots)
+        common_start = None if self.blocks[0].fused else cache.common_start(slots)  # a host sync; fused blocks need none
+        x = x.contiguous()
         for block in self.blocks:
             x = block(x, cache, slots, common_start, rope, visible)
         cache.advance(t)

@@ -18,6 +18,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "exp16.h"
+#include "rope.h"
 
 namespace {
 
@@ -206,7 +208,56 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   return out;
 }
 
+// A llama block's attention sublayer in one call (the Python it replaces — rope, the split of
+// q/k/v, two cache copies, views — cost ~35 us per layer): rotate the block's queries and keys
+// (rope.h, the elementwise kernel's rope), store its keys and values at `slots` in this layer
+// of the cache, then `attend`. The same float operations as those steps: the same bits.
+// qkv [B, T, (Hq + 2 Hkv) D] fp32, unit inner stride; cos, sin [B, T, D] contiguous (signed
+// sin); k, v [B, Hkv, S, D] fp32 (a layer of the cache, contiguous in (S, D)), written in place;
+// slots [B, T] int64, distinct within a row. Returns [B, T, Hq * D].
+torch::Tensor attend_block(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
+                           torch::Tensor slots, torch::Tensor lo, torch::Tensor hi, torch::Tensor extra_ptr,
+                           torch::Tensor extra, double scale, int64_t hq) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == torch::kFloat && qkv.stride(2) == 1,
+              "qkv must be [B, T, W] fp32 with unit inner stride");
+  TORCH_CHECK(k.dim() == 4 && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat && v.sizes() == k.sizes(),
+              "k, v must be [B, Hkv, S, D] fp32");
+  const int64_t B = qkv.size(0), T = qkv.size(1), Hkv = k.size(1), S = k.size(2), D = k.size(3);
+  TORCH_CHECK(k.size(0) == B && hq > 0 && qkv.size(2) == (hq + 2 * Hkv) * D, "qkv must be [B, T, (hq + 2 Hkv) * D]");
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D, "k, v must be contiguous in (S, D)");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat &&
+              sin.scalar_type() == torch::kFloat && cos.numel() == B * T * D && sin.numel() == B * T * D,
+              "cos and sin must be contiguous fp32 [B, T, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == B * T, "slots must be [B, T] int64");
+  const int64_t* SL = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(0 <= SL[i] && SL[i] < S, "slot ", SL[i], " is outside the cache's ", S);
+  auto q = torch::empty({B, T, hq, D}, qkv.options());
+  const float* X = qkv.data_ptr<float>();
+  const float* C = cos.data_ptr<float>();
+  const float* SN = sin.data_ptr<float>();
+  float* Q = q.data_ptr<float>();
+  float* K = k.data_ptr<float>();
+  float* V = v.data_ptr<float>();
+  const int64_t sb = qkv.stride(0), st = qkv.stride(1), kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / qkv.size(2));  // few rows: no thread wake-up
+  at::parallel_for(0, B * T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T;
+      const float* xr = X + b * sb + (bt % T) * st;
+      const float* c = C + bt * D;
+      const float* s = SN + bt * D;
+      for (int64_t h = 0; h < hq; ++h) rope_head(xr + h * D, c, s, Q + (bt * hq + h) * D, D);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        rope_head(xr + (hq + h) * D, c, s, K + b * kb + h * kh + SL[bt] * D, D);
+        std::memcpy(V + b * vb + h * vh + SL[bt] * D, xr + (hq + Hkv + h) * D, D * sizeof(float));
+      }
+    }
+  });
+  return attend(q, k, v, lo, hi, extra_ptr, extra, scale).view({B, T, hq * D});
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "per-query attention over listed visible slots (batch invariant)");
+  m.def("attend_block", &attend_block, "rope, cache write and attention of a block in one call (batch invariant)");
   m.def("force_portable", [](bool on) { g_portable = on; }, "tests: plain C++ loops instead of AVX-512");
 }

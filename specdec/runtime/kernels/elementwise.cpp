@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "exp16.h"
+#include "rope.h"
 
 namespace {
 
@@ -89,7 +90,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // first `heads` heads of size D -> [B, T, heads, D] contiguous.
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1, "rope: fp32 x [B, T, W], unit inner stride");
-  const int64_t B = x.size(0), T = x.size(1), D = cos.size(-1), half = D / 2;
+  const int64_t B = x.size(0), T = x.size(1), D = cos.size(-1);
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * T * D && sin.numel() == B * T * D,
               "rope: cos and sin must be contiguous [B, T, D]");
   TORCH_CHECK(heads * D <= x.size(2) && D % 2 == 0, "rope: heads * D exceeds the row");
@@ -105,11 +106,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
       const float* c = C + bt * D;
       const float* s = S + bt * D;
       float* yr = Y + bt * heads * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* xh = xr + h * D;
-        float* yh = yr + h * D;
-        for (int64_t d = 0; d < D; ++d) yh[d] = xh[d] * c[d] + xh[d < half ? d + half : d - half] * s[d];
-      }
+      for (int64_t h = 0; h < heads; ++h) rope_head(xr + h * D, c, s, yr + h * D, D);
     }
   });
   return y;

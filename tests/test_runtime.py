@@ -196,3 +196,25 @@ def test_kernels_are_built_with_the_model_not_at_its_first_call():
     assert native.build.cache_info().currsize == 2  # attention and elementwise, loaded while building
     assert native.build_all() == (["attention", "elementwise", "q4"] if q4.available() else ["attention", "elementwise"])
 
+
+
+def test_calibration_records_every_linear_input():
+    """int8 calibration reads each linear's input max |x| per channel while the fp32 model runs
+    (it wraps the linears' forward, which the blocks call directly): every linear has its stats,
+    and layer 0's qkv input is checked against the input computed by hand."""
+    from specdec.models.calibration import CALIBRATION_TEXT, calibrate
+    from specdec.runtime.config import ModelConfig
+    from specdec.runtime.model import rms_norm
+
+    from tiny_models import char_tokenizer
+
+    hf = hf_tiny("qwen2")
+    cfg = ModelConfig.from_hf(hf.config)
+    stats = calibrate(cfg, hf.state_dict(), char_tokenizer())
+    model = ours(hf)
+    assert set(stats) == set(model.linear_layers())
+    assert all(bool((v > 0).all()) and bool(v.isfinite().all()) for v in stats.values())
+    ids = char_tokenizer()(CALIBRATION_TEXT)["input_ids"][: cfg.max_position_embeddings]
+    x = model.embed[torch.tensor([ids])]  # [1, T, E]
+    expected = rms_norm(x, model.blocks[0].norms["input_layernorm"], cfg.rms_norm_eps, False).abs().amax((0, 1))
+    assert torch.equal(stats["layers.0.qkv"], expected)

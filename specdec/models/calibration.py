@@ -48,14 +48,15 @@ aujourd'hui, allons marcher jusqu'à la rivière." Solve: if 3x + 7 = 22, then 3
 def calibrate(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer) -> dict[str, torch.Tensor]:
     model = Transformer(cfg, weights, "float32")
     stats: dict[str, torch.Tensor] = {}
-    handles = []
-    for name, layer in model.linear_layers().items():
-
-        def hook(module, args, name=name):
-            absmax = args[0].detach().float().reshape(-1, args[0].shape[-1]).abs().amax(0)
+    layers = model.linear_layers()
+    for name, layer in layers.items():
+        # the model calls its linears' forward directly (no Module hooks): wrap forward itself
+        def recorded(x, name=name, forward=layer.forward):
+            absmax = x.detach().float().reshape(-1, x.shape[-1]).abs().amax(0)
             stats[name] = absmax if name not in stats else torch.maximum(stats[name], absmax)
+            return forward(x)
 
-        handles.append(layer.register_forward_pre_hook(hook))
+        layer.forward = recorded
     ids = tokenizer(CALIBRATION_TEXT)["input_ids"][: min(1024, cfg.max_position_embeddings)]
     if len(ids) < 64:  # a tokenizer that cannot read the text: use a fixed pseudo-random sequence
         g = torch.Generator().manual_seed(0)
@@ -63,8 +64,8 @@ def calibrate(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer) -> 
     try:
         model(torch.tensor([ids]), model.new_cache(1, len(ids)))
     finally:
-        for h in handles:
-            h.remove()
+        for layer in layers.values():
+            del layer.forward  # back to the class's forward
     return stats
 
 

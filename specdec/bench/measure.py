@@ -8,6 +8,9 @@
         prefill of a 500-token prompt next to transformers int8 and (when installed) llama.cpp
     python -m specdec.bench.measure step
         where one decoding step's time goes: q4 GEMM vs everything else, op count, host syncs
+    python -m specdec.bench.measure fused [--rounds 2]
+        a block's fused sublayer (rope + KV write + attention in one call) vs op by op, steps
+        interleaved in one process (the machine's memory bandwidth drifts between runs)
     python -m specdec.bench.measure compile
         torch.compile (inductor) of a block's elementwise sections vs eager: time and bit-identity
     python -m specdec.bench.measure toy [--tokens 100000] [--repeats 3]
@@ -252,6 +255,37 @@ def step_profile() -> None:
                   f"| {ops:.0f} | {syncs:.0f} |")
 
 
+def fused_vs_ops(rounds: int = 2, steps: int = 40) -> None:
+    """Default target and draft (q4) after a 300-token prefix: 1- and 5-token forwards with every
+    block fused (:meth:`~specdec.runtime.model.Block._forward_fused`) and op by op, alternating
+    step by step so both see the same machine state; median wall ms of ``steps`` each."""
+    gen = TextGenerator.load(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, "q4", head=None)
+    print("| round | model | tokens | op by op ms | fused ms | saved |")
+    print("|---|---|---|---|---|---|")
+    for rnd in range(1, rounds + 1):
+        for name, model in [("1.5B target", gen.target.model), ("0.5B draft (pruned output)", gen.draft_model()[0])]:
+            torch.manual_seed(0)
+            cache = model.new_cache(1, 600)
+            model(torch.randint(0, 1000, (1, 300)), cache)
+            prefix = cache.lengths.clone()
+            for n in (1, 5):
+                block = torch.randint(0, 1000, (1, n))
+                times = {True: [], False: []}
+                for i in range(steps + 5):
+                    for fused in (True, False):
+                        for b in model.blocks:
+                            b.fused = fused
+                        cache.truncate(prefix)
+                        t = time.perf_counter()
+                        model(block, cache)
+                        if i >= 5:  # warm-up
+                            times[fused].append(time.perf_counter() - t)
+                ops, fused = (statistics.median(times[f]) * 1e3 for f in (False, True))
+                print(f"| {rnd} | {name} | {n} | {ops:.2f} | {fused:.2f} | {ops - fused:.2f} ms ({(ops - fused) / ops:.1%}) |", flush=True)
+            for b in model.blocks:
+                b.fused = True
+
+
 def compile_trial(hidden: int = 1536, intermediate: int = 8960, heads: int = 14, head_dim: int = 128,
                   rows=(1, 5, 9), calls: int = 2000) -> None:
     """Issue 11's torch.compile trial, on the default target's shapes: the sections of a block
@@ -328,6 +362,8 @@ def main() -> None:
     dt.add_argument("--tokens", type=int, default=64)
     dt.add_argument("--runs", type=int, default=3)
     sub.add_parser("step", help="where one decoding step's time goes (default target and draft, q4)")
+    fu = sub.add_parser("fused", help="fused attention sublayer vs op by op, interleaved in one process")
+    fu.add_argument("--rounds", type=int, default=2)
     sub.add_parser("compile", help="torch.compile of a block's elementwise sections vs eager (time, bit-identity)")
     toy = sub.add_parser("toy", help="the toy experiment: reference loop vs --fast mode")
     toy.add_argument("--tokens", type=int, default=100_000)
@@ -339,6 +375,8 @@ def main() -> None:
         compare_dtypes(args.target, args.dtypes.split(","), args.tokens, args.runs)
     elif args.what == "step":
         step_profile()
+    elif args.what == "fused":
+        fused_vs_ops(args.rounds)
     elif args.what == "compile":
         compile_trial()
     else:

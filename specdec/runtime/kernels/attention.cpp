@@ -55,6 +55,31 @@ inline float dot16_avx512(const float* q, const float* k, int64_t D) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+// dot16 of q with 16 keys, times sc: the same lane sums, then each key's fixed tree (l, l+8),
+// (l, l+4), (l, l+2), (0, 1) done for 16 keys at once by pairing registers — the same
+// additions on the same operands as dot16_avx512's horizontal tree, ~4x fewer instructions.
+// After the four levels lane 4t + p holds key 4p + t; a permutation puts them in key order.
+inline void scores16_avx512(const float* q, const float* kbase, const int64_t* slot, int64_t D, float sc, float* out) {
+  __m512 a[kLanes];
+  for (int u = 0; u < kLanes; ++u) a[u] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += kLanes) {
+    const __m512 qv = _mm512_loadu_ps(q + c);
+    for (int u = 0; u < kLanes; ++u) a[u] = _mm512_add_ps(a[u], _mm512_mul_ps(qv, _mm512_loadu_ps(kbase + slot[u] * D + c)));
+  }
+  __m512 b[8], c4[4], d2[2];
+  for (int i = 0; i < 8; ++i)  // (l, l+8): 256-bit halves of keys 2i | 2i+1
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // (l, l+4): 128-bit lane t = key 4i + t
+    c4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // (l, l+2): lane t = [key 8i + t (2 values), key 8i + 4 + t (2 values)]
+    d2[i] = _mm512_add_ps(_mm512_shuffle_ps(c4[2 * i], c4[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(c4[2 * i], c4[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d2[0], d2[1], _MM_SHUFFLE(2, 0, 2, 0)),  // (0, 1)
+                                 _mm512_shuffle_ps(d2[0], d2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);  // key u <- lane 4(u%4) + u/4
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutexvar_ps(order, e), _mm512_set1_ps(sc)));
+}
+
 inline __m512 exp16_avx512(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(0x1.715476p+0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0x1.63p-1f)));
@@ -112,7 +137,13 @@ void attend_item(const float* q, const float* kbase, const float* vbase, float* 
                  std::vector<float>& acc, bool wide) {
   scores.resize(rep * n);
   acc.assign(rep * D, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the `rep` heads sharing it
+  int64_t j0 = 0;
+#ifdef __AVX512F__
+  if (wide)
+    for (; j0 + kLanes <= n; j0 += kLanes)  // 16 keys at a time, the 16 trees side by side
+      for (int64_t r = 0; r < rep; ++r) scores16_avx512(q + r * D, kbase, slot + j0, D, sc, scores.data() + r * n + j0);
+#endif
+  for (int64_t j = j0; j < n; ++j) {  // each key row is read once for the `rep` heads sharing it
     const float* kp = kbase + slot[j] * D;
     for (int64_t r = 0; r < rep; ++r) {
 #ifdef __AVX512F__

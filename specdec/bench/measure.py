@@ -211,6 +211,14 @@ class _Timed:
         return y
 
 
+def _after_prefix(model, tokens: int = 300):
+    """A one-row cache holding ``tokens`` random tokens (seed 0), and its lengths to truncate back to."""
+    torch.manual_seed(0)
+    cache = model.new_cache(1, 2 * tokens)
+    model(torch.randint(0, 1000, (1, tokens)), cache)
+    return cache, cache.lengths.clone()
+
+
 def step_profile() -> None:
     """Where one decoding step's time goes, for the default target and draft (q4), after a
     300-token prefix, one forward over n = 1 and n = 5 new tokens (a plain step and a k = 4
@@ -222,10 +230,7 @@ def step_profile() -> None:
     print("| model | tokens | wall ms | q4 GEMM ms (calls) | other ms | torch ops | host syncs |")
     print("|---|---|---|---|---|---|---|")
     for name, model in [("1.5B target", gen.target.model), ("0.5B draft", gen.draft.model)]:
-        torch.manual_seed(0)
-        cache = model.new_cache(1, 600)
-        model(torch.randint(0, 1000, (1, 300)), cache)
-        prefix = cache.lengths.clone()
+        cache, prefix = _after_prefix(model)
         for n in (1, 5):
             block = torch.randint(0, 1000, (1, n))
 
@@ -264,10 +269,7 @@ def fused_vs_ops(rounds: int = 2, steps: int = 40) -> None:
     print("|---|---|---|---|---|---|")
     for rnd in range(1, rounds + 1):
         for name, model in [("1.5B target", gen.target.model), ("0.5B draft (pruned output)", gen.draft_model()[0])]:
-            torch.manual_seed(0)
-            cache = model.new_cache(1, 600)
-            model(torch.randint(0, 1000, (1, 300)), cache)
-            prefix = cache.lengths.clone()
+            cache, prefix = _after_prefix(model)
             for n in (1, 5):
                 block = torch.randint(0, 1000, (1, n))
                 times = {True: [], False: []}

@@ -56,7 +56,9 @@ class KVCache:
         return slots
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one layer, ``[B, H, capacity, D]`` each (views)."""
+        """Keys and values of one layer, ``[B, H, capacity, D]`` each (views). A forward writes
+        its block into them at :meth:`block_slots` — through :meth:`write`, or inside the fused
+        attention kernel (``attention.attend_block``); the slots are always this cache's."""
         return self._k[layer, : self.batch], self._v[layer, : self.batch]
 
     def common_start(self, slots: torch.Tensor) -> int | None:

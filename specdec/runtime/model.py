@@ -117,6 +117,8 @@ class Block(torch.nn.Module):
         return x + self.down.forward(elementwise.silu_mul(self.gate_up.forward(h)))  # gate_up [B, T, 2I]
 
     def _forward_ops(self, x, cache: KVCache, slots, common_start, rope, visible) -> torch.Tensor:
+        """Op by op: Gemma (q/k norms, sliding windows, extra norms) and bf16 activations; for
+        fp32 llama blocks the reference the fused path is tested against."""
         cfg = self.cfg
         bsz, t, _ = x.shape
         h = self._norm("input_layernorm", x)

@@ -129,13 +129,15 @@ def test_every_group_size_matches_the_reference(hq, hkv, code_path):
 
 
 def _block_run(model, fused: bool):
-    """Logits and cache of a prefill, a 3-token chain block and a 4-node tree block, with every
+    """Logits and cache of a prefill, a 3-token chain block and a 4-node tree block (rows at
+    different lengths), with every
     block run fused (one kernel call for rope, cache write and attention) or op by op."""
     for block in model.blocks:
         block.fused = fused
     cache = model.new_cache(2, 32)
     g = torch.Generator().manual_seed(3)
     out = [model(torch.randint(0, 97, (2, 7), generator=g), cache)]
+    cache.truncate(torch.tensor([7, 4]))  # ragged rows: the next blocks start at different slots
     out.append(model(torch.randint(0, 97, (2, 3), generator=g), cache))
     parents = [-1, 0, 0, 1]  # a root child with two children, one grandchild
     mask = torch.eye(4, dtype=torch.bool)

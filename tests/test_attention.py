@@ -130,8 +130,8 @@ def test_every_group_size_matches_the_reference(hq, hkv, code_path):
 
 def _block_run(model, fused: bool):
     """Logits and cache of a prefill, a 3-token chain block and a 4-node tree block (rows at
-    different lengths), with every
-    block run fused (one kernel call for rope, cache write and attention) or op by op."""
+    different lengths), with every block run fused (one kernel call for rope, cache write and
+    attention) or op by op."""
     for block in model.blocks:
         block.fused = fused
     cache = model.new_cache(2, 32)

@@ -10,7 +10,8 @@
         where one decoding step's time goes: q4 GEMM vs everything else, op count, host syncs
     python -m specdec.bench.measure fused [--rounds 2]
         a block's fused sublayer (rope + KV write + attention in one call) vs op by op, steps
-        interleaved in one process (the machine's memory bandwidth drifts between runs)
+        interleaved in one process (the machine's memory bandwidth drifts between runs); then
+        the draft's 1-token step over the target's, the two alternating
     python -m specdec.bench.measure compile
         torch.compile (inductor) of a block's elementwise sections vs eager: time and bit-identity
     python -m specdec.bench.measure toy [--tokens 100000] [--repeats 3]
@@ -286,6 +287,26 @@ def fused_vs_ops(rounds: int = 2, steps: int = 40) -> None:
                 print(f"| {rnd} | {name} | {n} | {ops:.2f} | {fused:.2f} | {ops - fused:.2f} ms ({(ops - fused) / ops:.1%}) |", flush=True)
             for b in model.blocks:
                 b.fused = True
+        draft_vs_target(gen, steps)
+
+
+def draft_vs_target(gen: TextGenerator, steps: int = 40) -> None:
+    """Issue 11's draft cost: a 1-token step of the draft model (as proposers run it, pruned
+    output layer) over a 1-token step of the target, the two alternating step by step after the
+    same 300-token prefix, so that the ratio is taken in one machine state."""
+    runs = []
+    for model in (gen.target.model, gen.draft_model()[0]):
+        cache, prefix = _after_prefix(model)
+        runs.append((model, cache, prefix, [], torch.randint(0, 1000, (1, 1))))
+    for i in range(steps + 5):
+        for model, cache, prefix, times, block in runs:
+            cache.truncate(prefix)
+            t = time.perf_counter()
+            model(block, cache)
+            if i >= 5:
+                times.append(time.perf_counter() - t)
+    target, draft = (statistics.median(r[3]) * 1e3 for r in runs)
+    print(f"draft / target 1-token step, alternating: {draft:.2f} / {target:.2f} ms = {draft / target:.3f}", flush=True)
 
 
 def compile_trial(hidden: int = 1536, intermediate: int = 8960, heads: int = 14, head_dim: int = 128,

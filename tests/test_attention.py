@@ -169,6 +169,36 @@ def test_fused_block_gives_the_bits_of_the_op_by_op_block(kind, dtype):
     assert torch.equal(k1, k0) and torch.equal(v1, v0)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_layer_stack_gives_the_bits_of_the_per_layer_loop(kind):
+    """Issue 11: running every layer in one C++ call (kernels/stack.cpp) must not change a bit:
+    prefill, chain and tree logits and the whole cache equal the per-layer Python loop's, for
+    the model and for an early-exit view of its first layers (which gets a stack of its own)."""
+    from specdec.runtime import q4
+    from tiny_models import hf_tiny, ours
+
+    if not q4.available():
+        pytest.skip("the 4-bit kernel needs an AVX2 CPU")
+    model = ours(hf_tiny(kind), "q4")
+    for m in (model, model.truncated(1)):
+        assert m.stack is not None  # fused q4 blocks over whole tiles: the stack is the default
+        m.use_stack = True
+        one_call, k1, v1 = _block_run(m, True)
+        m.use_stack = False
+        loop, k0, v0 = _block_run(m, True)
+        for a, b in zip(one_call, loop):
+            assert torch.equal(a, b)
+        assert torch.equal(k1, k0) and torch.equal(v1, v0)
+        assert k1.abs().sum() > 0  # the stack wrote the cache
+
+
+def test_layer_stack_is_only_built_for_what_it_runs():
+    from tiny_models import hf_tiny, ours
+
+    assert ours(hf_tiny("qwen2"), "int8").stack is None  # int8 linears: the per-layer loop
+    assert ours(hf_tiny("gemma3"), "q4").stack is None  # Gemma blocks are not fused
+
+
 def test_fused_block_rejects_a_slot_outside_the_cache():
     q, k, v = _qkv(0, b=1, t=1, hq=2, hkv=1, d=16, s=8)
     qkv = torch.randn(1, 1, 4 * 16)

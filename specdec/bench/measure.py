@@ -231,6 +231,7 @@ def step_profile() -> None:
     print("| model | tokens | wall ms | q4 GEMM ms (calls) | other ms | torch ops | host syncs |")
     print("|---|---|---|---|---|---|---|")
     for name, model in [("1.5B target", gen.target.model), ("0.5B draft", gen.draft.model)]:
+        model.use_stack = False  # the per-layer loop, whose kernel calls can be timed one by one
         cache, prefix = _after_prefix(model)
         for n in (1, 5):
             block = torch.randint(0, 1000, (1, n))
@@ -263,28 +264,53 @@ def step_profile() -> None:
 
 def fused_vs_ops(rounds: int = 2, steps: int = 40) -> None:
     """Default target and draft (q4) after a 300-token prefix: 1- and 5-token forwards with every
-    block fused (:meth:`~specdec.runtime.model.Block._forward_fused`) and op by op, alternating
-    step by step so both see the same machine state; median wall ms of ``steps`` each."""
+    block fused (:meth:`~specdec.runtime.model.Block._forward_fused`) and op by op (both through
+    the per-layer loop), alternating step by step so both see the same machine state; median
+    wall ms of ``steps`` each."""
+
+    def blocks(fused: bool):
+        def setup(model):
+            model.use_stack = False
+            for b in model.blocks:
+                b.fused = fused
+        return setup
+
+    _alternate("op by op", blocks(False), "fused", blocks(True), rounds, steps)
+
+
+def stack_vs_loop(rounds: int = 2, steps: int = 40) -> None:
+    """As :func:`fused_vs_ops`, for the layers run as one C++ call (:mod:`specdec.runtime.stack`)
+    against the per-layer Python loop over the same fused blocks."""
+
+    def stacked(on: bool):
+        def setup(model):
+            model.use_stack = on
+        return setup
+
+    _alternate("layer loop", stacked(False), "one call", stacked(True), rounds, steps)
+
+
+def _alternate(before: str, set_before, after: str, set_after, rounds: int, steps: int) -> None:
     gen = TextGenerator.load(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, "q4", head=None)
-    print("| round | model | tokens | op by op ms | fused ms | saved |")
+    print(f"| round | model | tokens | {before} ms | {after} ms | saved |")
     print("|---|---|---|---|---|---|")
     for rnd in range(1, rounds + 1):
         for name, model in [("1.5B target", gen.target.model), ("0.5B draft (pruned output)", gen.draft_model()[0])]:
             cache, prefix = _after_prefix(model)
             for n in (1, 5):
                 block = torch.randint(0, 1000, (1, n))
-                times = {True: [], False: []}
+                times = {False: [], True: []}
                 for i in range(steps + 5):
-                    for fused in (True, False):
-                        for b in model.blocks:
-                            b.fused = fused
+                    for variant, setup in ((True, set_after), (False, set_before)):
+                        setup(model)
                         cache.truncate(prefix)
                         t = time.perf_counter()
                         model(block, cache)
                         if i >= 5:  # warm-up
-                            times[fused].append(time.perf_counter() - t)
-                ops, fused = (statistics.median(times[f]) * 1e3 for f in (False, True))
-                print(f"| {rnd} | {name} | {n} | {ops:.2f} | {fused:.2f} | {ops - fused:.2f} ms ({(ops - fused) / ops:.1%}) |", flush=True)
+                            times[variant].append(time.perf_counter() - t)
+                old, new = (statistics.median(times[v]) * 1e3 for v in (False, True))
+                print(f"| {rnd} | {name} | {n} | {old:.2f} | {new:.2f} | {old - new:.2f} ms ({(old - new) / old:.1%}) |", flush=True)
+            model.use_stack = True  # the defaults again
             for b in model.blocks:
                 b.fused = True
         draft_vs_target(gen, steps)
@@ -387,6 +413,8 @@ def main() -> None:
     sub.add_parser("step", help="where one decoding step's time goes (default target and draft, q4)")
     fu = sub.add_parser("fused", help="fused attention sublayer vs op by op, interleaved in one process")
     fu.add_argument("--rounds", type=int, default=2)
+    sk = sub.add_parser("stack", help="the layers as one C++ call vs the per-layer loop, interleaved in one process")
+    sk.add_argument("--rounds", type=int, default=2)
     sub.add_parser("compile", help="torch.compile of a block's elementwise sections vs eager (time, bit-identity)")
     toy = sub.add_parser("toy", help="the toy experiment: reference loop vs --fast mode")
     toy.add_argument("--tokens", type=int, default=100_000)
@@ -400,6 +428,8 @@ def main() -> None:
         step_profile()
     elif args.what == "fused":
         fused_vs_ops(args.rounds)
+    elif args.what == "stack":
+        stack_vs_loop(args.rounds)
     elif args.what == "compile":
         compile_trial()
     else:

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from specdec.runtime import attention, elementwise
+from specdec.runtime import attention, elementwise, stack
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.linear import LinearBuilder, activation_dtype
@@ -196,6 +196,8 @@ class Transformer(torch.nn.Module):
         self.lm_head = linear("lm_head", lambda: weights[head])
         self.quantized_state = linear.exported  # int8 tensors built from fp32 here (empty otherwise)
         linear.pack_all()
+        self.stack = self._build_stack(self.blocks)
+        self.use_stack = True  # tests and measurements compare it with the per-layer loop
         self._rope_len = 0
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -210,7 +212,14 @@ class Transformer(torch.nn.Module):
         view._modules["blocks"] = torch.nn.ModuleList(list(self.blocks)[:num_layers])
         sliding = self.cfg.layer_is_sliding[:num_layers]
         view.cfg = dataclasses.replace(self.cfg, num_layers=num_layers, layer_is_sliding=sliding)
+        view.stack = view._build_stack(view.blocks) if self.stack is not None else None
         return view
+
+    def _build_stack(self, blocks):
+        """The layers as one C++ call (:mod:`specdec.runtime.stack`) where they allow it, else None."""
+        if not stack.eligible(blocks):
+            return None
+        return stack.build(blocks, self.cfg.rms_norm_eps, blocks[0].scale, self.cfg.num_heads)
 
     def with_output_rows(self, rows: torch.Tensor) -> "Transformer":
         """A view whose output layer computes logits for only some token ids: ``rows`` ``[N, E]``
@@ -311,8 +320,12 @@ class Transformer(torch.nn.Module):
         rope = self._rope_for(positions)
         common_start = None if self.blocks[0].fused else cache.common_start(slots)  # a host sync; fused blocks need none
         x = x.contiguous()
-        for block in self.blocks:
-            x = block.forward(x, cache, slots, common_start, rope, visible)  # (see Block._forward_fused)
+        if self.stack is not None and self.use_stack and self.blocks[0].fused:
+            vis = visible["global"]  # every layer in one call: Block._forward_fused's kernels, the same bits
+            x = self.stack.forward(x, cache.k, cache.v, *rope["global"], slots, vis.lo, vis.hi, vis.extra_ptr, vis.extra)
+        else:
+            for block in self.blocks:
+                x = block.forward(x, cache, slots, common_start, rope, visible)  # (see Block._forward_fused)
         cache.advance(t)
         hidden = x  # [B, T, E]
         if logit_index is not None:

@@ -1,5 +1,5 @@
 """Building specdec's small C++ kernels (``kernels/q4.cpp``, ``kernels/attention.cpp``,
-``kernels/elementwise.cpp``).
+``kernels/elementwise.cpp``, and ``kernels/stack.cpp``, which compiles the three together).
 
 Each is compiled once per machine with the system's compiler through
 ``torch.utils.cpp_extension`` and cached under ``$SPECDEC_HOME/kernels``, keyed by its source,
@@ -47,14 +47,15 @@ def build_all() -> list[str]:
     """Compile (once per machine) every kernel this CPU can run, so that no later call pays for
     it: the install step (``specdec models install``) calls this; loading a model builds its
     kernels too, so their compile time is load time, never a request's time to first token."""
-    from specdec.runtime import attention, elementwise, q4
+    from specdec.runtime import attention, elementwise, q4, stack
 
     attention.kernel()
     elementwise.kernel()
     built = ["attention", "elementwise"]
     if q4.available():
         q4.kernel()
-        built.append("q4")
+        stack.kernel()
+        built += ["q4", "stack"]
     return built
 
 

@@ -287,8 +287,10 @@ torch::Tensor attend_block(torch::Tensor qkv, torch::Tensor cos, torch::Tensor s
   return attend(q, k, v, lo, hi, extra_ptr, extra, scale).view({B, T, hq * D});
 }
 
+#ifndef SPECDEC_STACK  // kernels/stack.cpp includes this file and defines its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "per-query attention over listed visible slots (batch invariant)");
   m.def("attend_block", &attend_block, "rope, cache write and attention of a block in one call (batch invariant)");
   m.def("force_portable", [](bool on) { g_portable = on; }, "tests: plain C++ loops instead of AVX-512");
 }
+#endif

@@ -147,9 +147,11 @@ torch::Tensor argmax(torch::Tensor x) {
   return out;
 }
 
+#ifndef SPECDEC_STACK  // kernels/stack.cpp includes this file and defines its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax", &argmax, "first index of each row's maximum");
   m.def("rms_norm", &rms_norm, "RMSNorm, fixed-order fp32 (batch invariant)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up from [..., 2I]");
   m.def("rope", &rope, "rotary embedding of the first heads of each row");
 }
+#endif

@@ -192,9 +192,11 @@ torch::Tensor q4_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor 
   return y;
 }
 
+#ifndef SPECDEC_STACK  // kernels/stack.cpp includes this file and defines its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "4-bit weight x per-group int8 activation linear (batch invariant)");
   m.def("uses_vnni", []() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"); });
   m.def("set_prefetch", [](int64_t bytes) { g_prefetch = bytes; }, "measurements: software prefetch distance in bytes");
   m.def("force_isa", [](int isa) { g_force_isa = isa; }, "tests: 0 = auto, 1 = AVX2, 2 = VNNI 256-bit, 3 = AVX-512");
 }
+#endif

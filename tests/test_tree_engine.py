@@ -178,6 +178,9 @@ def test_prune_keeps_a_valid_tree_of_the_best_nodes():
     bad = Proposal(tokens, None, parents=parents, scores=torch.tensor([[0.1, 0.3, 0.5, 0.0, 0.4, 0.0]]))
     with pytest.raises(ValueError, match="parent"):
         bad.prune(2)
+    sampled = Proposal(tokens, torch.full((1, 7, 20), 0.05), parents=parents, scores=scores)
+    with pytest.raises(ValueError, match="bias"):  # keeping a sampled node by its own value biases it
+        sampled.prune(3)
 
 
 def test_suffix_tree_merges_continuations_by_frequency():

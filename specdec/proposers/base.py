@@ -96,14 +96,19 @@ class Proposal:
     def prune(self, nodes: int) -> "Proposal":
         """A tree of the ``nodes`` best-scoring nodes of each row (ties: earlier node first),
         renumbered in their original order. The scores make the choice closed under parents and
-        earlier siblings, so the result is a valid tree drawn the same way."""
+        earlier siblings, so the result is a valid tree.
+
+        Deterministic candidates only: a sampled candidate kept or dropped by a choice that reads
+        its own value (its score, or later scores that depend on it) is no longer distributed as
+        ``probs`` says, and verifying it as if it were would bias the output."""
         if not self.is_tree or nodes >= self.size:
             return self
+        if self.probs is not None:
+            raise ValueError("sampled candidates cannot be pruned by their scores (it would bias verification)")
         batch = self.tokens.shape[0]
         if nodes <= 0:
             empty = torch.zeros(batch, 0, dtype=torch.long)
-            return Proposal(empty, None if self.probs is None else self.probs[:, :1], empty.clone(),
-                            torch.zeros(batch, 0), self.without_replacement)
+            return Proposal(empty, None, empty.clone(), torch.zeros(batch, 0))
         score = torch.where(self.tokens >= 0, self.scores, float("-inf"))
         order = torch.sort(torch.argsort(-score, dim=1, stable=True)[:, :nodes], dim=1).values  # [B, n] kept, in order
         new_index = torch.full((batch, self.size + 1), -1, dtype=torch.long)  # old node -> new index (slot 0: -1 = root)
@@ -115,10 +120,7 @@ class Proposal:
         parents = torch.where(real, new_index.gather(1, old_parents + 1), -1)
         if bool((real & (parents < 0) & (old_parents >= 0)).any()):
             raise ValueError("scores must not increase from a parent to its child (the pruned tree lost a parent)")
-        probs = None
-        if self.probs is not None:
-            probs = torch.cat([self.probs[:, :1], self.probs.gather(1, (order + 1).unsqueeze(-1).expand(-1, -1, self.probs.shape[2]))], 1)
-        return Proposal(tokens, probs, parents, kept_score.clamp(min=0), self.without_replacement)
+        return Proposal(tokens, None, parents, kept_score.clamp(min=0))
 
 
 class Proposer(Protocol):

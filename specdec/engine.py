@@ -193,7 +193,7 @@ class Engine:
                  k_max: int = 8, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
                  max_batch: int | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
-        self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None
+        self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
         if k == "auto":
             self.controllers, k = {}, k_max
         elif not isinstance(k, int) or k < 0:
@@ -345,9 +345,10 @@ class Engine:
         """The k controller of the source the proposer will use next (adaptive k only)."""
         if self.controllers is None or self.proposer is None:
             return None
-        source = self.proposer.next_source(pending)
+        trees = self.proposer.emits_trees  # (a tree proposer drafts chains while every row samples)
+        source = f"{self.proposer.next_source(pending)}:{'tree' if trees else 'chain'}"
         if source not in self.controllers:
-            self.controllers[source] = TreeBudget(self.k_max) if self.proposer.emits_trees else AdaptiveK(k_max=self.k_max)
+            self.controllers[source] = TreeBudget(self.k_max) if trees else AdaptiveK(k_max=self.k_max)
         return self.controllers[source]
 
     def _propose(self, controller, pending: list[list[int]]) -> Proposal:

@@ -9,11 +9,11 @@ import torch
 
 import specdec.tree as tree_module
 from specdec.adaptive import TreeBudget
-from specdec.engine import commit_kv, generate, score_tree
+from specdec.engine import Engine, Request, commit_kv, generate, score_tree
 from specdec.proposers import HybridProposer
 from specdec.proposers.base import Proposal
 from specdec.proposers.head import DraftHead, HeadConfig, HeadNet, HeadTreeProposer
-from specdec.proposers.suffix import SuffixHistory, SuffixIndex, SuffixProposer, build_tree
+from specdec.proposers.suffix import SuffixHistory, SuffixIndex, SuffixProposer, best_path, build_tree
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.tree import TreeVerification, verify_tree
 from stats import ALPHA, chi_square_pvalue
@@ -88,7 +88,7 @@ def _counts(target, proposer, k):
 
 def _small_tree_proposer(target):
     # 5 of 6 ids in the head's vocabulary: one id is never a candidate; 2 children per node, depth 2
-    return HeadTreeProposer(_head(target, 5, seed=2), 16, width=2, depth=2)
+    return HeadTreeProposer(_head(target, 5, seed=2), 16, width=2, depth=2, trees_when_sampling=True)
 
 
 def test_first_three_tokens_follow_the_exact_target_law(small):
@@ -109,9 +109,62 @@ def test_negative_control_without_the_sibling_residual_fails(small, monkeypatch)
 
 def test_seeded_sampling_with_trees_is_reproducible(target):
     params = SamplingParams(temperature=0.8)
-    runs = [generate(target, PROMPTS, params, 30, proposer=_proposers(target)["head-tree"](), k=6, seed=5)
-            for _ in range(2)]
+    head = _head(target, 64, seed=1)
+    runs = [generate(target, PROMPTS, params, 30, proposer=HeadTreeProposer(head, 96, width=3, depth=4, trees_when_sampling=True),
+                     k=6, seed=5) for _ in range(2)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+    assert runs[0][0].batch_metrics.acceptance.scored > runs[0][0].batch_metrics.acceptance.drafted  # trees
+
+
+# -- tree proposers draft chains while every row samples --------------------------------------------
+def test_tree_proposers_draft_chains_while_every_row_samples(target):
+    """All rows sampled: chains (a tree's extra nodes measured slower at T > 0, §20); any greedy
+    row: trees. The hybrid's two sides switch together."""
+    proposers = _proposers(target)
+    sampled = generate(target, PROMPTS, SamplingParams(temperature=0.7), 24, proposer=proposers["hybrid-tree"](), k=6, seed=1)
+    acc = sampled[0].batch_metrics.acceptance
+    assert acc.calls > 0 and acc.scored == acc.drafted  # chains: one token scored per drafted position
+    hidden = torch.zeros(1, 3, target.cfg.hidden_size)  # prompt features (the head's add needs them)
+    for kind in ("suffix", "head-tree", "hybrid-tree"):
+        p = proposers[kind]()
+        p.add([[1, 2, 3]], [SamplingParams(temperature=0.7)], torch.Generator(), target_hidden=hidden)
+        assert not p.emits_trees
+        p.add([[1, 2, 3]], [SamplingParams(temperature=0.0)], torch.Generator(), target_hidden=hidden)
+        assert p.emits_trees
+        p.retain([0])
+        assert not p.emits_trees
+
+
+def test_greedy_rows_stay_identical_when_the_batch_switches_to_chains(target):
+    """A greedy row that finishes first leaves only sampled rows: the proposer switches from trees
+    to chains mid-run (its head cache and queues carry over); the greedy row equals plain
+    decoding and the sampled rows carry on."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)]
+    engine = Engine(target, _proposers(target)["hybrid-tree"](), capacity=96, k="auto", k_max=6)
+    greedy = engine.add(Request(PROMPTS[0], params[0], 10, None))
+    sampled = engine.add(Request(PROMPTS[1], params[1], 30, None))
+    while engine.busy:
+        engine.step()
+    assert greedy.token_ids == generate(target, [PROMPTS[0]], GREEDY, 10)[0].token_ids
+    assert len(sampled.token_ids) == 30
+    assert {key.split(":")[1] for key in engine.controllers} == {"tree", "chain"}
+
+
+def test_suffix_best_path_follows_the_most_frequent_children():
+    assert best_path([1, 2, 3, 4], [-1, 0, 0, 1], [1.0, 0.25, 0.75, 0.25]) == [1, 3]
+    assert best_path([], [], []) == []
+    proposer = SuffixProposer(min_match=1)
+    proposer.add([[5, 6, 7, 5, 6, 8, 5, 6, 7, 5]], [SamplingParams(temperature=0.9)], torch.Generator())
+    chain = proposer.propose([[]], 3)
+    assert not chain.is_tree and chain.tokens.tolist() == [[6, 8, 5]]  # after the longest earlier match "5 6 7 5"
+
+
+def test_the_chains_of_a_tree_proposer_follow_the_exact_target_law(small):
+    """The chain mode (every row sampled) through the tree proposer: the first three tokens'
+    joint law, 10^5 samples (the chain verifier's negative controls are in test_exactness)."""
+    counts, acc = _counts(small, HeadTreeProposer(_head(small, 5, seed=2), 16, width=2, depth=2), 4)
+    assert acc.scored == acc.drafted and 0.1 < acc.accepted / acc.drafted < 0.95
+    assert chi_square_pvalue(counts, exact_joint(small, PROMPT, PARAMS, V_SMALL)) > ALPHA
 
 
 # -- the head's tree drafting, the cache, pruning ---------------------------------------------------

@@ -127,8 +127,10 @@ class Proposer(Protocol):
     # Whether the proposer reads the target's features (a draft head): the engine then passes the
     # last block's output of the prefill to ``start`` and of each verified block to ``observe``.
     wants_target_hidden: bool
-    # Whether ``propose`` returns candidate trees (``Proposal.parents`` set, with scores); ``k`` is
-    # then a node budget, and adaptive k prunes each tree with :class:`~specdec.adaptive.TreeBudget`.
+    # Whether the next ``propose`` returns candidate trees (``Proposal.parents`` set, with scores);
+    # ``k`` is then a node budget, and adaptive k prunes each tree with
+    # :class:`~specdec.adaptive.TreeBudget`. It may change when rows join or leave (the tree
+    # proposers draft chains while every row samples), never between ``next_source`` and ``propose``.
     emits_trees: bool
     # Whether the last ``propose`` also fed tokens skipped earlier (its time is then not a per-draft cost).
     caught_up: bool
@@ -166,3 +168,14 @@ class SingleSource:
 
     def next_source(self, pending: list[list[int]]) -> str:
         return "default"
+
+
+def all_sample(params: list[SamplingParams]) -> bool:
+    """Whether every row samples (no greedy row): the tree proposers then draft chains.
+
+    Measured on this CPU (docs/BENCHMARKS.md §20): at temperature > 0 a tree of deterministic
+    candidates commits few more tokens per call than a chain (a candidate x is accepted with
+    probability p(x), a sampled draft with min(1, p/q)), while its extra nodes and drafting levels
+    cost time; hybrid_tree ran at 0.90x of hybrid_head at T = 0.7. With any greedy row the tree
+    stays: greedy rows gain from siblings, and a chain of sampled drafts would not be theirs."""
+    return bool(params) and all(not p.greedy for p in params)

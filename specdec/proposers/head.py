@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.proposers.base import Proposal, SingleSource, draft_token
+from specdec.proposers.base import Proposal, SingleSource, all_sample, draft_token
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.linear import LinearBuilder
@@ -357,15 +357,23 @@ class HeadTreeProposer(HeadProposer):
     The candidates are a deterministic function of the committed text, so they are verified as
     such (``probs=None``; :func:`specdec.verify_tree` removes each rejected candidate from the
     target's distribution): exact at every temperature, whatever the head's quality.
+
+    While every row samples, it drafts :class:`HeadProposer`'s chain of sampled drafts instead
+    (:func:`~specdec.proposers.base.all_sample`: measured faster at T > 0);
+    ``trees_when_sampling`` keeps the trees (the tests of the tree path under sampling).
     """
 
-    emits_trees = True
-
-    def __init__(self, head: DraftHead, capacity: int, width: int = 4, depth: int = 5, min_score: float = 0.2) -> None:
+    def __init__(self, head: DraftHead, capacity: int, width: int = 4, depth: int = 5, min_score: float = 0.2,
+                 trees_when_sampling: bool = False) -> None:
         if width < 1 or depth < 1 or not 0 <= min_score <= 1:
             raise ValueError(f"need width >= 1, depth >= 1 and 0 <= min_score <= 1, got {width}, {depth}, {min_score}")
         super().__init__(head, capacity + width * depth)  # the expanded nodes' slots while drafting
         self.width, self.depth, self.min_score = width, depth, min_score
+        self.trees_when_sampling = trees_when_sampling
+
+    @property
+    def emits_trees(self) -> bool:
+        return self.trees_when_sampling or not all_sample(self.params)
 
     def _rank_probs(self, subset_logits: torch.Tensor) -> torch.Tensor:
         """``[B, W, N]`` subset logits -> the probabilities candidates are ranked by."""
@@ -375,6 +383,8 @@ class HeadTreeProposer(HeadProposer):
         return probs_per_row(subset_logits, ranked)
 
     def propose(self, pending: list[list[int]], k: int) -> Proposal:
+        if not self.emits_trees:
+            return super().propose(pending, k)
         batch = len(pending)
         self._tokens = [t + p for t, p in zip(self._tokens, pending)]
         if k == 0:

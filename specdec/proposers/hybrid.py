@@ -21,10 +21,18 @@ class HybridProposer:
         if ngram.emits_trees != model_draft.emits_trees:
             raise ValueError("a hybrid's two proposers must both emit chains or both emit trees")
         self.ngram, self.model_draft = ngram, model_draft
-        self.emits_trees = ngram.emits_trees
         self._queued: list[list[int]] = []
         self._fresh: list[list[int]] | None = None
         self._used = None
+
+    @property
+    def emits_trees(self) -> bool:
+        """The two sides' shape (tree proposers switch to chains while every row samples, both
+        by the same rule: :func:`~specdec.proposers.base.all_sample`)."""
+        trees = self.ngram.emits_trees
+        if trees != self.model_draft.emits_trees:
+            raise ValueError("a hybrid's two proposers must both emit chains or both emit trees")
+        return trees
 
     @property
     def wants_target_hidden(self) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource
+from specdec.proposers.base import Proposal, SingleSource, all_sample
 from specdec.proposers.ngram import NgramIndex
 from specdec.sampling import SamplingParams
 
@@ -81,6 +81,18 @@ def build_tree(continuations: list[list[int]], budget: int) -> tuple[list[int], 
     return ([tokens[i] for i in keep], [new.get(parents[i], -1) for i in keep], [counts[i] / total for i in keep])
 
 
+def best_path(tokens: list[int], parents: list[int], scores: list[float]) -> list[int]:
+    """The tree's most frequent continuation: from the root, the best-scoring child each time
+    (the earlier one on ties)."""
+    path, node = [], -1
+    while True:
+        children = [i for i, p in enumerate(parents) if p == node]
+        if not children:
+            return path
+        node = max(children, key=lambda i: (scores[i], -i))
+        path.append(tokens[node])
+
+
 class SuffixHistory:
     """Finished outputs (of earlier rows, calls or requests) in one bounded suffix index, shared by
     suffix proposers. At most ``max_tokens`` tokens: past that the older half is dropped."""
@@ -103,24 +115,33 @@ class SuffixHistory:
 
 
 class SuffixProposer(SingleSource):
-    """Candidate trees from the context's own repetitions (and a shared history of earlier outputs)."""
+    """Candidate trees from the context's own repetitions (and a shared history of earlier outputs).
+
+    While every row samples it proposes each tree's most frequent path as a chain
+    (:func:`~specdec.proposers.base.all_sample`); ``trees_when_sampling`` keeps the trees."""
 
     wants_target_hidden = False
-    emits_trees = True
 
     def __init__(self, min_match: int = 2, max_match: int = 8, max_occurrences: int = 32,
-                 history: SuffixHistory | None = None) -> None:
+                 history: SuffixHistory | None = None, trees_when_sampling: bool = False) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
         if max_occurrences < 1:
             raise ValueError("max_occurrences must be >= 1")
         self.min_match, self.max_match, self.max_occurrences = min_match, max_match, max_occurrences
         self.history = SuffixHistory(max_match) if history is None else history
+        self.trees_when_sampling = trees_when_sampling
         self.rows: list[SuffixIndex] = []
+        self.params: list[SamplingParams] = []
         self._prompt_lengths: list[int] = []
+
+    @property
+    def emits_trees(self) -> bool:
+        return self.trees_when_sampling or not all_sample(self.params)
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
             target_hidden: torch.Tensor | None = None) -> None:
+        self.params = self.params + list(params)
         self._prompt_lengths += [len(p) for p in prompts]
         for prompt in prompts:
             index = SuffixIndex(self.max_match)
@@ -143,8 +164,15 @@ class SuffixProposer(SingleSource):
         return [], [], []
 
     def lookup(self, k: int) -> Proposal:
-        """A tree of at most ``k`` nodes per row from the current histories (``feed`` first)."""
+        """A tree of at most ``k`` nodes per row from the current histories (``feed`` first); a
+        chain of at most ``k`` tokens when :attr:`emits_trees` is off."""
         trees = [self._row_tree(index, k) if k > 0 else ([], [], []) for index in self.rows]
+        if not self.emits_trees:
+            paths = [best_path(*tree) for tree in trees]
+            width = max((len(path) for path in paths), default=0)
+            # a row without a match repeats its last token (as the n-gram proposer does): a guess
+            padded = [path + [(path or index.tokens)[-1]] * (width - len(path)) for path, index in zip(paths, self.rows)]
+            return Proposal(torch.tensor(padded, dtype=torch.long).view(len(self.rows), width), None)
         width = max((len(t[0]) for t in trees), default=0)
         batch = len(self.rows)
         tokens = torch.full((batch, width), -1, dtype=torch.long)
@@ -173,4 +201,5 @@ class SuffixProposer(SingleSource):
             if i not in kept:  # a finished row: its output joins the shared history
                 self.history.add(index.tokens[self._prompt_lengths[i]:])
         self.rows = [self.rows[i] for i in rows]
+        self.params = [self.params[i] for i in rows]
         self._prompt_lengths = [self._prompt_lengths[i] for i in rows]

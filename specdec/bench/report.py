@@ -101,8 +101,10 @@ def write_report(results: dict, plots: list[Path]) -> str:
     categories = list(dict.fromkeys(r["category"] for r in runs))
     temps = sorted({r["temperature"] for r in runs})
     lines = [f"# specdec bench report ({env['date']})", "",
-             f"Target `{env['target']}`, draft `{env['draft']}`, dtype {env['dtype']}, {env['max_new_tokens']} new tokens "
-             f"per prompt, torch {env['torch']}, transformers {env['transformers']}, {env['cores']} threads. "
+             f"Target `{env['target']}`, draft `{env['draft']}`, dtype {env['dtype']}, "
+             + (f"answers up to {env['max_new_tokens']} tokens, ending at the end of the model's turn"
+                if env.get("stop_at_eos") else f"{env['max_new_tokens']} new tokens per prompt (past the end of the answer)")
+             + f", torch {env['torch']}, transformers {env['transformers']}, {env['cores']} threads. "
              "Speed-up = end-to-end tokens/s (prefill included) over the baseline on the same prompt; median over "
              "the category's prompts.", ""]
     for baseline in ("plain", "hf_plain"):

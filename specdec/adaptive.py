@@ -250,3 +250,47 @@ class TreeBudget:
             at = real & (depth == d)
             self.predicted[d - 1] += float(scores[at].sum())
             self.hits[d - 1] += float((result.num_accepted >= d).sum())
+
+
+@dataclass
+class ShapeRace:
+    """Trees or chains, for a proposer that can draft either: whichever has committed more tokens
+    per second lately.
+
+    A tree's value depends on things its own model cannot see well: how often the proposer's
+    second guesses are right on this text, what an extra scored node costs on this machine in its
+    current state (~2 ms, 10-16% of a step, when memory is fast: the 4-bit kernel is then
+    compute-bound) and what drafting the levels costs. Measured on answers that end at the end of
+    the turn, the head's trees ran at 0.90x of its chains greedy (docs/BENCHMARKS.md §20), while on
+    copy-heavy edits trees win. So the engine measures both: per shape, an exponential average of
+    tokens committed and of seconds spent (drafting, target call, verification) per step, and the
+    rate is their ratio (renewal-reward, as :class:`AdaptiveK`). Each shape is tried first; then
+    the faster one runs, and every ``explore_every``-th step the other, to follow the text.
+    Steps where the proposer drafted a chain although trees were asked for (every row sampling)
+    count as chain steps.
+    """
+
+    ema: float = 0.2
+    explore_every: int = 8
+    tokens: dict[bool, float] = field(default_factory=dict)  # shape (True: trees) -> average tokens per step
+    seconds: dict[bool, float] = field(default_factory=dict)  # shape -> average seconds per step
+    _steps: int = 0
+
+    def rate(self, trees: bool) -> float | None:
+        if trees not in self.seconds:
+            return None
+        return self.tokens[trees] / max(self.seconds[trees], 1e-9)
+
+    def choose(self) -> bool:
+        """Whether the next step should draft trees."""
+        self._steps += 1
+        for shape in (False, True):  # chains first: the cheaper start
+            if shape not in self.seconds:
+                return shape
+        best = self.rate(True) > self.rate(False)
+        return (not best) if self._steps % self.explore_every == 0 else best
+
+    def observe(self, trees: bool, tokens: int, seconds: float) -> None:
+        """One step: its shape, the tokens it committed (all rows) and its seconds."""
+        self.tokens[trees] = moving_average(self.tokens.get(trees), float(tokens), self.ema)
+        self.seconds[trees] = moving_average(self.seconds.get(trees), seconds, self.ema)

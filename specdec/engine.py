@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from specdec.adaptive import AdaptiveK, TreeBudget
+from specdec.adaptive import AdaptiveK, ShapeRace, TreeBudget
 from specdec.metrics import GenerationMetrics, Timings
 from specdec.proposers.base import Proposal, Proposer
 from specdec.runtime import elementwise
@@ -194,8 +194,11 @@ class Engine:
                  max_batch: int | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
+        self.race: ShapeRace | None = None  # trees or chains, measured (adaptive k with a tree proposer)
         if k == "auto":
             self.controllers, k = {}, k_max
+            if proposer is not None and proposer.emits_trees:
+                self.race = ShapeRace()
         elif not isinstance(k, int) or k < 0:
             raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
         if not 0 <= seed <= MAX_SEED:
@@ -320,6 +323,8 @@ class Engine:
     def _decode(self) -> list[RowState]:
         """propose -> one target call -> verify -> commit / roll back -> observe."""
         pending = [r.pending for r in self.rows]  # one list object: a hybrid feeds its index once per list
+        if self.race is not None:
+            self.proposer.use_trees(self.race.choose())
         controller = self._controller(pending)
         proposal = self._propose(controller, pending)
         with self.timer.phase("target_forward"):
@@ -338,6 +343,9 @@ class Engine:
             t = self.timer.step
             controller.observe_step(proposal, result, t.get("draft", 0.0), t["target_forward"] + t["verification"],
                                     caught_up=self.proposer.caught_up)
+            if self.race is not None:
+                self.race.observe(proposal.is_tree, int(result.num_accepted.sum()) + len(self.rows),
+                                  t.get("draft", 0.0) + t["target_forward"] + t["verification"] + t.get("cache", 0.0))
         self._record(proposal, result)
         return list(self.rows)
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specdec.adaptive import AdaptiveK, best_k, expected_tokens
+from specdec.adaptive import AdaptiveK, ShapeRace, best_k, expected_tokens
 
 
 def test_expected_tokens_matches_leviathan_closed_form():
@@ -99,3 +99,31 @@ def test_the_proposers_prefill_does_not_become_the_draft_cost():
     assert controller.draft_cost is None and controller.choose() > 0
     controller.observe(4, [4], draft_seconds=0.02, verify_seconds=0.1)
     assert controller.draft_cost == pytest.approx(0.005)
+
+
+def test_shape_race_tries_both_then_runs_the_faster_and_keeps_exploring():
+    race = ShapeRace(explore_every=4)
+    assert race.choose() is False  # chains first
+    race.observe(False, 2, 0.020)  # 100 tokens/s
+    assert race.choose() is True  # then trees
+    race.observe(True, 3, 0.040)  # 75 tokens/s: slower
+    picks = []
+    for _ in range(8):
+        shape = race.choose()
+        picks.append(shape)
+        race.observe(shape, 2 if not shape else 3, 0.020 if not shape else 0.040)
+    assert picks.count(False) == 6 and picks.count(True) == 2  # every 4th step explores the other shape
+    for _ in range(30):  # the text changes: trees now commit 6 tokens in 40 ms (150 tokens/s)
+        shape = race.choose()
+        race.observe(shape, 2 if not shape else 6, 0.020 if not shape else 0.040)
+    assert race.rate(True) > race.rate(False)
+    assert [race.choose() for _ in range(3)].count(True) >= 2
+
+
+def test_shape_race_counts_chains_drafted_for_sampled_rows_as_chains():
+    race = ShapeRace()
+    race.choose()
+    race.observe(False, 2, 0.02)
+    assert race.choose() is True
+    race.observe(False, 1, 0.02)  # trees were asked for, every row sampled: a chain step
+    assert race.rate(True) is None and race.choose() is True  # trees still untried

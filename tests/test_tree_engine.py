@@ -88,7 +88,7 @@ def _counts(target, proposer, k):
 
 def _small_tree_proposer(target):
     # 5 of 6 ids in the head's vocabulary: one id is never a candidate; 2 children per node, depth 2
-    return HeadTreeProposer(_head(target, 5, seed=2), 16, width=2, depth=2, trees_when_sampling=True)
+    return HeadTreeProposer(_head(target, 5, seed=2), 16, width=2, depth=2, always_trees=True)
 
 
 def test_first_three_tokens_follow_the_exact_target_law(small):
@@ -110,7 +110,7 @@ def test_negative_control_without_the_sibling_residual_fails(small, monkeypatch)
 def test_seeded_sampling_with_trees_is_reproducible(target):
     params = SamplingParams(temperature=0.8)
     head = _head(target, 64, seed=1)
-    runs = [generate(target, PROMPTS, params, 30, proposer=HeadTreeProposer(head, 96, width=3, depth=4, trees_when_sampling=True),
+    runs = [generate(target, PROMPTS, params, 30, proposer=HeadTreeProposer(head, 96, width=3, depth=4, always_trees=True),
                      k=6, seed=5) for _ in range(2)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
     assert runs[0][0].batch_metrics.acceptance.scored > runs[0][0].batch_metrics.acceptance.drafted  # trees
@@ -131,6 +131,10 @@ def test_tree_proposers_draft_chains_while_every_row_samples(target):
         assert not p.emits_trees
         p.add([[1, 2, 3]], [SamplingParams(temperature=0.0)], torch.Generator(), target_hidden=hidden)
         assert p.emits_trees
+        p.use_trees(False)  # the engine's ShapeRace asks for chains
+        assert not p.emits_trees
+        p.use_trees(True)
+        assert p.emits_trees
         p.retain([0])
         assert not p.emits_trees
 
@@ -148,6 +152,7 @@ def test_greedy_rows_stay_identical_when_the_batch_switches_to_chains(target):
     assert greedy.token_ids == generate(target, [PROMPTS[0]], GREEDY, 10)[0].token_ids
     assert len(sampled.token_ids) == 30
     assert {key.split(":")[1] for key in engine.controllers} == {"tree", "chain"}
+    assert set(engine.race.seconds) == {True, False}  # the race measured both shapes
 
 
 def test_suffix_best_path_follows_the_most_frequent_children():

@@ -139,6 +139,10 @@ class Proposer(Protocol):
         """Which proposer the next ``propose`` uses ("default" for a single one): adaptive k keeps
         one controller per source."""
 
+    def use_trees(self, on: bool) -> None:
+        """Ask a proposer that drafts trees for chains instead (``on`` False) or trees again; the
+        engine's :class:`~specdec.adaptive.ShapeRace` decides. Proposers without trees ignore it."""
+
     def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
             target_hidden: torch.Tensor | None = None) -> None:
         """New rows join at the end of the batch (continuous batching; the first call starts
@@ -168,6 +172,15 @@ class SingleSource:
 
     def next_source(self, pending: list[list[int]]) -> str:
         return "default"
+
+    def use_trees(self, on: bool) -> None:
+        pass  # a chain proposer
+
+
+def tree_shape(trees_wanted: bool, always_trees: bool, params: list[SamplingParams]) -> bool:
+    """A tree proposer's shape for its next proposal: trees if asked (``use_trees``) and some row
+    is greedy (:func:`all_sample`), or always with ``always_trees`` (tests)."""
+    return always_trees or (trees_wanted and not all_sample(params))
 
 
 def all_sample(params: list[SamplingParams]) -> bool:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.proposers.base import Proposal, SingleSource, all_sample, draft_token
+from specdec.proposers.base import Proposal, SingleSource, draft_token, tree_shape
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.linear import LinearBuilder
@@ -358,22 +358,28 @@ class HeadTreeProposer(HeadProposer):
     such (``probs=None``; :func:`specdec.verify_tree` removes each rejected candidate from the
     target's distribution): exact at every temperature, whatever the head's quality.
 
-    While every row samples, it drafts :class:`HeadProposer`'s chain of sampled drafts instead
-    (:func:`~specdec.proposers.base.all_sample`: measured faster at T > 0);
-    ``trees_when_sampling`` keeps the trees (the tests of the tree path under sampling).
+    It drafts :class:`HeadProposer`'s chain instead (sampled drafts, or the argmax for greedy
+    rows) while every row samples (:func:`~specdec.proposers.base.all_sample`: measured faster at
+    T > 0) or when the engine asks for chains (``use_trees``; its
+    :class:`~specdec.adaptive.ShapeRace` measures both). ``always_trees``: trees whatever the rows
+    and the engine ask (the tests of the tree path under sampling).
     """
 
     def __init__(self, head: DraftHead, capacity: int, width: int = 4, depth: int = 5, min_score: float = 0.2,
-                 trees_when_sampling: bool = False) -> None:
+                 always_trees: bool = False) -> None:
         if width < 1 or depth < 1 or not 0 <= min_score <= 1:
             raise ValueError(f"need width >= 1, depth >= 1 and 0 <= min_score <= 1, got {width}, {depth}, {min_score}")
         super().__init__(head, capacity + width * depth)  # the expanded nodes' slots while drafting
         self.width, self.depth, self.min_score = width, depth, min_score
-        self.trees_when_sampling = trees_when_sampling
+        self.always_trees = always_trees
+        self.trees_wanted = True
 
     @property
     def emits_trees(self) -> bool:
-        return self.trees_when_sampling or not all_sample(self.params)
+        return tree_shape(self.trees_wanted, self.always_trees, self.params)
+
+    def use_trees(self, on: bool) -> None:
+        self.trees_wanted = on
 
     def _rank_probs(self, subset_logits: torch.Tensor) -> torch.Tensor:
         """``[B, W, N]`` subset logits -> the probabilities candidates are ranked by."""

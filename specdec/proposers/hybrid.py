@@ -27,12 +27,16 @@ class HybridProposer:
 
     @property
     def emits_trees(self) -> bool:
-        """The two sides' shape (tree proposers switch to chains while every row samples, both
-        by the same rule: :func:`~specdec.proposers.base.all_sample`)."""
+        """The two sides' shape (tree proposers draft chains while every row samples or when
+        asked, both by the same rule: :func:`~specdec.proposers.base.tree_shape`)."""
         trees = self.ngram.emits_trees
         if trees != self.model_draft.emits_trees:
             raise ValueError("a hybrid's two proposers must both emit chains or both emit trees")
         return trees
+
+    def use_trees(self, on: bool) -> None:
+        self.ngram.use_trees(on)
+        self.model_draft.use_trees(on)
 
     @property
     def wants_target_hidden(self) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource, all_sample
+from specdec.proposers.base import Proposal, SingleSource, tree_shape
 from specdec.proposers.ngram import NgramIndex
 from specdec.sampling import SamplingParams
 
@@ -117,27 +117,32 @@ class SuffixHistory:
 class SuffixProposer(SingleSource):
     """Candidate trees from the context's own repetitions (and a shared history of earlier outputs).
 
-    While every row samples it proposes each tree's most frequent path as a chain
-    (:func:`~specdec.proposers.base.all_sample`); ``trees_when_sampling`` keeps the trees."""
+    While every row samples (:func:`~specdec.proposers.base.all_sample`), or when the engine asks
+    for chains (``use_trees``), it proposes each tree's most frequent path as a chain;
+    ``always_trees``: trees whatever the rows and the engine ask (tests)."""
 
     wants_target_hidden = False
 
     def __init__(self, min_match: int = 2, max_match: int = 8, max_occurrences: int = 32,
-                 history: SuffixHistory | None = None, trees_when_sampling: bool = False) -> None:
+                 history: SuffixHistory | None = None, always_trees: bool = False) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
         if max_occurrences < 1:
             raise ValueError("max_occurrences must be >= 1")
         self.min_match, self.max_match, self.max_occurrences = min_match, max_match, max_occurrences
         self.history = SuffixHistory(max_match) if history is None else history
-        self.trees_when_sampling = trees_when_sampling
+        self.always_trees = always_trees
+        self.trees_wanted = True
         self.rows: list[SuffixIndex] = []
         self.params: list[SamplingParams] = []
         self._prompt_lengths: list[int] = []
 
     @property
     def emits_trees(self) -> bool:
-        return self.trees_when_sampling or not all_sample(self.params)
+        return tree_shape(self.trees_wanted, self.always_trees, self.params)
+
+    def use_trees(self, on: bool) -> None:
+        self.trees_wanted = on
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
             target_hidden: torch.Tensor | None = None) -> None:

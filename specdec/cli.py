@@ -515,9 +515,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "and the extra 'editing' (rename/convert a 20-30-line module; run only when named) "
                         "(default: the six)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 64 (32 with --quick)")
-    p.add_argument("--stop-at-eos", action="store_true",
-                   help="end each answer where the model ends its turn, as a user receives it (default: generate "
-                        "--max-new-tokens past it, equal lengths for every method; 'editing' always stops)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-new-tokens past the end of each answer (equal lengths for every method, but "
+                        "text no user receives; 'editing' always stops). Default: answers end where the model ends its turn")
     p.add_argument("--target", default=registry.DEFAULT_TARGET)
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT)
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="(default: %(default)s, as generate)")
@@ -544,7 +544,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     categories = args.categories.split(",") if args.categories else None
     run_bench(out, methods, temps, per_cat, args.target, args.draft, args.dtype, tokens, args.k, args.k_max, categories,
-              head=args.head or "auto", stop_at_eos=args.stop_at_eos)
+              head=args.head or "auto", ignore_eos=args.ignore_eos)
     print((out / "report.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots in {out}")
     return 0

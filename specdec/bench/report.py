@@ -103,7 +103,7 @@ def write_report(results: dict, plots: list[Path]) -> str:
     lines = [f"# specdec bench report ({env['date']})", "",
              f"Target `{env['target']}`, draft `{env['draft']}`, dtype {env['dtype']}, "
              + (f"answers up to {env['max_new_tokens']} tokens, ending at the end of the model's turn"
-                if env.get("stop_at_eos") else f"{env['max_new_tokens']} new tokens per prompt (past the end of the answer)")
+                if env.get("stop_at_eos") else f"{env['max_new_tokens']} new tokens per prompt (past the end of the answer: --ignore-eos)")
              + f", torch {env['torch']}, transformers {env['transformers']}, {env['cores']} threads. "
              "Speed-up = end-to-end tokens/s (prefill included) over the baseline on the same prompt; median over "
              "the category's prompts.", ""]

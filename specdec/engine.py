@@ -194,11 +194,13 @@ class Engine:
                  max_batch: int | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
-        self.race: ShapeRace | None = None  # trees or chains, measured (adaptive k with a tree proposer)
+        # trees or chains, measured per source (adaptive k with a proposer that drafts trees)
+        self.races: dict[str, ShapeRace] | None = None
+        self._source: str | None = None  # the source of this step's proposal
         if k == "auto":
             self.controllers, k = {}, k_max
             if proposer is not None and proposer.emits_trees:
-                self.race = ShapeRace()
+                self.races = {}
         elif not isinstance(k, int) or k < 0:
             raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
         if not 0 <= seed <= MAX_SEED:
@@ -323,8 +325,6 @@ class Engine:
     def _decode(self) -> list[RowState]:
         """propose -> one target call -> verify -> commit / roll back -> observe."""
         pending = [r.pending for r in self.rows]  # one list object: a hybrid feeds its index once per list
-        if self.race is not None:
-            self.proposer.use_trees(self.race.choose())
         controller = self._controller(pending)
         proposal = self._propose(controller, pending)
         with self.timer.phase("target_forward"):
@@ -343,21 +343,25 @@ class Engine:
             t = self.timer.step
             controller.observe_step(proposal, result, t.get("draft", 0.0), t["target_forward"] + t["verification"],
                                     caught_up=self.proposer.caught_up)
-            if self.race is not None:
-                self.race.observe(proposal.is_tree, int(result.num_accepted.sum()) + len(self.rows),
-                                  t.get("draft", 0.0) + t["target_forward"] + t["verification"] + t.get("cache", 0.0))
+            if self.races is not None:
+                self.races[self._source].observe(proposal.is_tree, int(result.num_accepted.sum()) + len(self.rows),
+                                                 t.get("draft", 0.0) + t["target_forward"] + t["verification"] + t.get("cache", 0.0))
         self._record(proposal, result)
         return list(self.rows)
 
     def _controller(self, pending: list[list[int]]) -> AdaptiveK | TreeBudget | None:
-        """The k controller of the source the proposer will use next (adaptive k only)."""
+        """The k controller of the source the proposer will use next (adaptive k only); with a tree
+        proposer, the source's :class:`ShapeRace` first picks the shape it drafts."""
         if self.controllers is None or self.proposer is None:
             return None
-        trees = self.proposer.emits_trees  # (a tree proposer drafts chains while every row samples)
-        source = f"{self.proposer.next_source(pending)}:{'tree' if trees else 'chain'}"
-        if source not in self.controllers:
-            self.controllers[source] = TreeBudget(self.k_max) if trees else AdaptiveK(k_max=self.k_max)
-        return self.controllers[source]
+        self._source = self.proposer.next_source(pending)
+        if self.races is not None:
+            self.proposer.use_trees(self.races.setdefault(self._source, ShapeRace()).choose())
+        trees = self.proposer.emits_trees  # (a tree proposer also drafts chains while every row samples)
+        key = f"{self._source}:{'tree' if trees else 'chain'}"
+        if key not in self.controllers:
+            self.controllers[key] = TreeBudget(self.k_max) if trees else AdaptiveK(k_max=self.k_max)
+        return self.controllers[key]
 
     def _propose(self, controller, pending: list[list[int]]) -> Proposal:
         """The drafts of this step: a chain of at most k tokens per row (one token fewer than the

@@ -152,7 +152,7 @@ def test_greedy_rows_stay_identical_when_the_batch_switches_to_chains(target):
     assert greedy.token_ids == generate(target, [PROMPTS[0]], GREEDY, 10)[0].token_ids
     assert len(sampled.token_ids) == 30
     assert {key.split(":")[1] for key in engine.controllers} == {"tree", "chain"}
-    assert set(engine.race.seconds) == {True, False}  # the race measured both shapes
+    assert any(set(race.seconds) == {True, False} for race in engine.races.values())  # a race measured both shapes
 
 
 def test_suffix_best_path_follows_the_most_frequent_children():

@@ -167,6 +167,10 @@ class PhaseTimer:
         self.timings = timings
         self.step: dict[str, float] = {}
 
+    def since(self, mark: dict[str, float]) -> dict[str, float]:
+        """This step's seconds per phase after ``mark`` (a copy of :attr:`step` taken earlier)."""
+        return {name: seconds - mark.get(name, 0.0) for name, seconds in self.step.items()}
+
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         t = time.perf_counter()
@@ -325,6 +329,10 @@ class Engine:
     def _decode(self) -> list[RowState]:
         """propose -> one target call -> verify -> commit / roll back -> observe."""
         pending = [r.pending for r in self.rows]  # one list object: a hybrid feeds its index once per list
+        # The controllers learn from this decoding step's own times: a step that also joined
+        # requests spent "draft" time on their proposer prefill (``add``) and "verification"
+        # time on their first tokens, which say nothing about the cost of a draft token.
+        mark = dict(self.timer.step)
         controller = self._controller(pending)
         proposal = self._propose(controller, pending)
         with self.timer.phase("target_forward"):
@@ -340,7 +348,7 @@ class Engine:
             with self.timer.phase("draft"):
                 self.proposer.observe(result.num_accepted, target_hidden=hidden)
         if controller is not None:
-            t = self.timer.step
+            t = self.timer.since(mark)
             controller.observe_step(proposal, result, t.get("draft", 0.0), t["target_forward"] + t["verification"],
                                     caught_up=self.proposer.caught_up)
             if self.races is not None:

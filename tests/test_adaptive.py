@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
 from specdec.adaptive import AdaptiveK, ShapeRace, best_k, expected_tokens
+from specdec.engine import Engine, Request
+from specdec.proposers import DraftModelProposer
+from specdec.sampling import SamplingParams
+from tiny_models import hf_tiny, ours
 
 
 def test_expected_tokens_matches_leviathan_closed_form():
@@ -127,3 +132,28 @@ def test_shape_race_counts_chains_drafted_for_sampled_rows_as_chains():
     assert race.choose() is True
     race.observe(False, 1, 0.02)  # trees were asked for, every row sampled: a chain step
     assert race.rate(True) is None and race.choose() is True  # trees still untried
+
+
+class _SlowPrefill(DraftModelProposer):
+    """A draft model whose prompt prefill (``add``, run when a request joins) takes 0.3 s more."""
+
+    def add(self, *args, **kwargs) -> None:
+        time.sleep(0.3)
+        super().add(*args, **kwargs)
+
+
+def test_the_engine_keeps_a_joining_requests_prefill_out_of_the_draft_cost():
+    """Regression (engine level): requests join in the same engine step as the next decoding step,
+    and their proposer's prompt prefill ran under that step's "draft" phase; the controller took
+    it as the cost of the step's draft tokens (0.15 s a token here), chose k = 0 from then on and,
+    its probes being catch-up steps, never measured again. With the prefill kept out, the first
+    step's draft cost is the drafting's own (well under 0.1 s a token on these tiny models)."""
+    target = ours(hf_tiny("qwen2", seed=0), "int8")
+    engine = Engine(target, _SlowPrefill(target, 64), capacity=64, k="auto", k_max=2)  # the target drafts for itself
+    row = engine.add(Request([5, 6, 7, 8], SamplingParams(temperature=0.0), 12))
+    engine.step()  # prefill (0.3 s in the proposer's add) + the first decoding step
+    controller, = engine.controllers.values()
+    assert controller.draft_cost is not None and controller.draft_cost < 0.1
+    while engine.busy:
+        engine.step()
+    assert len(row.token_ids) == 12

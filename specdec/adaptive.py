@@ -253,67 +253,44 @@ class TreeBudget:
 
 
 @dataclass
-class Race:
-    """Whichever of a few alternatives has committed more tokens per second lately: the shapes of
-    a proposer that drafts trees or chains (``arms=(False, True)``, True: trees), or the model
-    sources of a hybrid (e.g. ``("head", "draft")``).
+class ShapeRace:
+    """Trees or chains, for a proposer that can draft either: whichever has committed more tokens
+    per second lately.
 
-    Why measure rather than model. A tree's value depends on things its own model cannot see
-    well: how often the proposer's second guesses are right on this text, what an extra scored
-    node costs on this machine in its current state (~2 ms, 10-16% of a step, when memory is fast)
-    and what drafting the levels costs (measured on answers that end at the end of the turn, the
-    head's trees ran at 0.90x of its chains greedy, docs/BENCHMARKS.md §20, while on copy-heavy
-    edits trees win). Between a draft head (a few percent of a target step a token, accepted less
-    often) and a draft model (~0.3 of a step a token, accepted more), the faster one depends on
-    the text and the temperature (§21). So the engine measures: per arm, an exponential average
-    of tokens committed and of seconds spent (drafting, target call, verification, cache) per
-    step; the rate is their ratio (renewal-reward, as :class:`AdaptiveK`). Each arm is tried
-    first, in order; then the fastest runs, and every ``explore_every``-th step the next of the
-    others in turn, to follow the text.
-
-    Steady-state rates: a step whose proposer also fed tokens it had skipped (``caught_up``, e.g.
-    a draft model's first step after others drafted) is not counted — that cost is paid once per
-    switch, not per step — and the race stays on that arm for the next step, which is counted.
+    A tree's value depends on things its own model cannot see well: how often the proposer's
+    second guesses are right on this text, what an extra scored node costs on this machine in its
+    current state (~2 ms, 10-16% of a step, when memory is fast: the 4-bit kernel is then
+    compute-bound) and what drafting the levels costs. Measured on answers that end at the end of
+    the turn, the head's trees ran at 0.90x of its chains greedy (docs/BENCHMARKS.md §20), while on
+    copy-heavy edits trees win. So the engine measures both: per shape, an exponential average of
+    tokens committed and of seconds spent (drafting, target call, verification) per step, and the
+    rate is their ratio (renewal-reward, as :class:`AdaptiveK`). Each shape is tried first; then
+    the faster one runs, and every ``explore_every``-th step the other, to follow the text.
+    Steps where the proposer drafted a chain although trees were asked for (every row sampling)
+    count as chain steps.
     """
 
-    arms: tuple
     ema: float = 0.2
     explore_every: int = 8
-    tokens: dict = field(default_factory=dict)  # arm -> average tokens per step
-    seconds: dict = field(default_factory=dict)  # arm -> average seconds per step
+    tokens: dict[bool, float] = field(default_factory=dict)  # shape (True: trees) -> average tokens per step
+    seconds: dict[bool, float] = field(default_factory=dict)  # shape -> average seconds per step
     _steps: int = 0
-    _explored: int = 0
-    _again: object = None  # an arm whose last step was a catch-up: measured on its next step
 
-    def __post_init__(self) -> None:
-        if len(self.arms) < 2 or len(set(self.arms)) != len(self.arms):
-            raise ValueError(f"a race needs at least two distinct arms, got {self.arms!r}")
-
-    def rate(self, arm) -> float | None:
-        if arm not in self.seconds:
+    def rate(self, trees: bool) -> float | None:
+        if trees not in self.seconds:
             return None
-        return self.tokens[arm] / max(self.seconds[arm], 1e-9)
+        return self.tokens[trees] / max(self.seconds[trees], 1e-9)
 
-    def choose(self):
-        """The arm of the next step."""
+    def choose(self) -> bool:
+        """Whether the next step should draft trees."""
         self._steps += 1
-        if self._again is not None:
-            arm, self._again = self._again, None
-            return arm
-        for arm in self.arms:  # in order: each is tried first
-            if arm not in self.seconds:
-                return arm
-        best = max(self.arms, key=lambda arm: self.rate(arm))
-        if self._steps % self.explore_every:
-            return best
-        others = [arm for arm in self.arms if arm != best]
-        self._explored += 1
-        return others[self._explored % len(others)]
+        for shape in (False, True):  # chains first: the cheaper start
+            if shape not in self.seconds:
+                return shape
+        best = self.rate(True) > self.rate(False)
+        return (not best) if self._steps % self.explore_every == 0 else best
 
-    def observe(self, arm, tokens: int, seconds: float, caught_up: bool = False) -> None:
-        """One step: its arm, the tokens it committed (all rows) and its seconds."""
-        if caught_up:
-            self._again = arm
-            return
-        self.tokens[arm] = moving_average(self.tokens.get(arm), float(tokens), self.ema)
-        self.seconds[arm] = moving_average(self.seconds.get(arm), seconds, self.ema)
+    def observe(self, trees: bool, tokens: int, seconds: float) -> None:
+        """One step: its shape, the tokens it committed (all rows) and its seconds."""
+        self.tokens[trees] = moving_average(self.tokens.get(trees), float(tokens), self.ema)
+        self.seconds[trees] = moving_average(self.seconds.get(trees), seconds, self.ema)

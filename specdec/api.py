@@ -227,16 +227,15 @@ def resolve_proposer(requested: str | None, *, draft: bool, head: bool) -> str |
     return "draft" if draft else DEFAULT_HEAD_PROPOSER if head else None
 
 
-def hybrid_sides(kind: str | None, *, draft: bool, head: bool) -> tuple[str, ...]:
-    """The model-backed sides of a hybrid proposer (empty for the others): "hybrid-head" the
-    draft head, "hybrid-draft" the draft model, "hybrid-tree" the head's trees; "hybrid" every
-    model it has — the head and the draft model, raced step by step when both are there — and
-    the early exit when it has neither."""
-    if kind in ("hybrid-head", "hybrid-tree", "hybrid-draft"):
-        return (kind.removeprefix("hybrid-"),)
+def hybrid_model(kind: str | None, *, draft: bool, head: bool) -> str | None:
+    """What backs a hybrid proposer's model side: "hybrid-head" the draft head, "hybrid-tree" the
+    head's trees; "hybrid" the draft model if one is loaded, else the head if there is one, else
+    the early exit."""
+    if kind in ("hybrid-head", "hybrid-tree"):
+        return kind.replace("hybrid-", "")
     if kind != "hybrid":
-        return ()
-    return (("head",) if head else ()) + (("draft",) if draft else ()) or ("early-exit",)
+        return None
+    return "draft" if draft else "head" if head else "early-exit"
 
 
 def _make_proposer(gen: "TextGenerator", kind: str, capacity: int, ngram: tuple[int, int], exit_layer: int | None):
@@ -246,26 +245,25 @@ def _make_proposer(gen: "TextGenerator", kind: str, capacity: int, ngram: tuple[
         return NgramProposer(*ngram)
     if kind == "suffix":
         return SuffixProposer(history=gen.suffix_history)
-    if kind in ("draft", "hybrid-draft") and gen.draft is None:
-        raise ValueError(f"proposer {kind!r} needs a draft model (draft=NAME_OR_PATH)")
-    sides = hybrid_sides(kind, draft=gen.draft is not None, head=gen.head_path is not None) or (kind,)
-
-    def side(name: str):
-        if name in ("tree", "head-tree"):
-            return HeadTreeProposer(gen.draft_head(), capacity)
-        if name == "head":
-            return HeadProposer(gen.draft_head(), capacity)
-        if name == "early-exit":
-            layers = exit_layer or max(1, gen.target.model.cfg.num_layers // 4)
-            return DraftModelProposer(gen.target.model.truncated(layers), capacity)
+    if kind == "draft" and gen.draft is None:
+        raise ValueError("proposer 'draft' needs a draft model (draft=NAME_OR_PATH)")
+    backing = hybrid_model(kind, draft=gen.draft is not None, head=gen.head_path is not None)
+    if kind == "head-tree" or backing == "tree":
+        model_draft = HeadTreeProposer(gen.draft_head(), capacity)
+    elif kind == "head" or backing == "head":
+        model_draft = HeadProposer(gen.draft_head(), capacity)
+    elif kind == "early-exit" or backing == "early-exit":
+        layers = exit_layer or max(1, gen.target.model.cfg.num_layers // 4)
+        model_draft = DraftModelProposer(gen.target.model.truncated(layers), capacity)
+    else:
         model, ids = gen.draft_model()
-        return DraftModelProposer(model, capacity, vocab_ids=ids, vocab_size=None if ids is None else gen.draft.model.vocab_size)
-
-    models = {name: side(name) for name in sides}
-    if not kind.startswith("hybrid"):
-        return models[kind]
-    lookup = SuffixProposer(history=gen.suffix_history) if sides == ("tree",) else NgramProposer(*ngram)
-    return HybridProposer(lookup, models)
+        model_draft = DraftModelProposer(model, capacity, vocab_ids=ids,
+                                         vocab_size=None if ids is None else gen.draft.model.vocab_size)
+    if backing == "tree":
+        return HybridProposer(SuffixProposer(history=gen.suffix_history), model_draft)
+    if backing is not None:
+        return HybridProposer(NgramProposer(*ngram), model_draft)
+    return model_draft
 
 
 def _cut_at_stop(text: str, stop: list[str]) -> str:

@@ -232,8 +232,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposer", choices=PROPOSERS, default=None,
                    help="where drafts come from: the target's draft head, a draft model, n-gram prompt "
                    "lookup, the target's own first layers, hybrid (n-gram when it matches, else the draft "
-                   "head and the draft model, whichever has been faster lately (--k auto), or the one there is, "
-                   "or the early exit), hybrid-head, hybrid-draft (n-gram, else that one); candidate trees (several guesses per position, "
+                   "model / head / early exit), hybrid-head; candidate trees (several guesses per position, "
                    "verified exactly in one call): suffix (frequent continuations of the text so far), "
                    "head-tree (the head's dynamic trees), hybrid-tree (suffix when it matches, else head trees); "
                    "or none (plain decoding). With a tree proposer --k is the node budget. Default: draft "
@@ -330,19 +329,19 @@ def _seed_value(text: str) -> int:
 def _check_generate_options(args: argparse.Namespace) -> str | None:
     """Reject options that would be silently ignored, before anything is loaded; returns the
     proposer (None: plain decoding)."""
-    from specdec.api import hybrid_sides, resolve_proposer
+    from specdec.api import hybrid_model, resolve_proposer
     from specdec.models import heads, registry
 
-    if args.proposer in ("draft", "hybrid-draft") and not args.draft:
-        raise UsageError(f"--proposer {args.proposer} needs --draft NAME_OR_PATH")
-    if args.draft and args.proposer not in (None, "draft", "hybrid", "hybrid-draft"):
+    if args.proposer == "draft" and not args.draft:
+        raise UsageError("--proposer draft needs --draft NAME_OR_PATH")
+    if args.draft and args.proposer not in (None, "draft", "hybrid"):
         raise UsageError(f"--draft has no effect with --proposer {args.proposer}")
     spec = registry.resolve(args.target)
     has_head = args.head is not None or (spec is not None and heads.shipped(spec.name) is not None)
     proposer = resolve_proposer(args.proposer, draft=bool(args.draft), head=has_head)
-    sides = hybrid_sides(proposer, draft=bool(args.draft), head=has_head)
-    early_exit = proposer == "early-exit" or "early-exit" in sides
-    uses_head = proposer in ("head", "head-tree") or "head" in sides or "tree" in sides
+    backing = hybrid_model(proposer, draft=bool(args.draft), head=has_head)
+    early_exit = proposer == "early-exit" or backing == "early-exit"
+    uses_head = proposer in ("head", "head-tree") or backing in ("head", "tree")
     if proposer in ("head", "head-tree", "hybrid-head", "hybrid-tree") and not has_head:
         raise UsageError(f"--proposer {proposer}: {args.target} has no shipped draft head; train one with "
                          "`specdec train-head` and pass it with --head PATH")
@@ -352,8 +351,8 @@ def _check_generate_options(args: argparse.Namespace) -> str | None:
         ("--k-max", args.k_max is not None and args.k not in (None, "auto"), "--k auto"),
         ("--draft-dtype", args.draft_dtype is not None and not args.draft, "--draft"),
         ("--exit-layer", args.exit_layer is not None and not early_exit, "--proposer early-exit (or hybrid without --draft)"),
-        ("--ngram-min/--ngram-max", (args.ngram_min, args.ngram_max) != (None, None) and proposer not in ("ngram", "hybrid", "hybrid-head", "hybrid-draft"),
-         "--proposer ngram, hybrid, hybrid-head or hybrid-draft"),
+        ("--ngram-min/--ngram-max", (args.ngram_min, args.ngram_max) != (None, None) and proposer not in ("ngram", "hybrid", "hybrid-head"),
+         "--proposer ngram, hybrid or hybrid-head"),
     ]
     for flag, unused, needs in ignored:
         if unused:
@@ -428,13 +427,12 @@ def _summary(m: dict, gen, dtype: str, proposer: str | None, k) -> str:
     acc = m["acceptance"]
     how = " | plain decoding"
     if proposer:
-        from specdec.api import hybrid_sides
+        from specdec.api import hybrid_model
 
-        sides = hybrid_sides(proposer, draft=gen.draft is not None, head=gen.head_path is not None) or (proposer,)
-        models = [gen.draft.name if side == "draft" else f"draft head {gen.head_path.name}" if side in ("head", "tree", "head-tree")
-                  else None for side in sides]
-        models = [m for m in models if m]
-        how = f" | proposer {proposer}" + (f" ({' + '.join(models)})" if models else "") + f" k={k}"
+        backing = hybrid_model(proposer, draft=gen.draft is not None, head=gen.head_path is not None)
+        model = gen.draft.name if gen.draft and "draft" in (proposer, backing) else (
+            f"draft head {gen.head_path.name}" if "head" in (proposer, backing) else None)
+        how = f" | proposer {proposer}" + (f" ({model})" if model else "") + f" k={k}"
     lines = [
         "",
         f"target {gen.target.name}{how} | {dtype}",

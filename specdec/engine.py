@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from specdec.adaptive import AdaptiveK, Race, TreeBudget
+from specdec.adaptive import AdaptiveK, ShapeRace, TreeBudget
 from specdec.metrics import GenerationMetrics, Timings
 from specdec.proposers.base import Proposal, Proposer
 from specdec.runtime import elementwise
@@ -188,8 +188,7 @@ class Engine:
     ``capacity``: KV slots per row (prompt + max_new_tokens + k_max + 2 must fit; requests that
     do not are refused by :meth:`add`). ``max_batch``: rows decoded together (the others wait).
     ``k``: draft tokens per step, or "auto" (one :class:`AdaptiveK` / :class:`TreeBudget` per
-    proposer source, from measured costs and acceptance; a :class:`Race` of trees against chains
-    per source of a tree proposer, and of the model sources of a hybrid that has several). ``seed`` seeds the engine's own streams
+    proposer source, from measured costs and acceptance). ``seed`` seeds the engine's own streams
     (rejection sampling of requests without a seed, and the proposer's draws). ``verifier`` has
     :func:`~specdec.verify.verify_chain`'s signature; only exactness checks pass another one.
     """
@@ -200,16 +199,12 @@ class Engine:
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
         # trees or chains, measured per source (adaptive k with a proposer that drafts trees)
-        self.races: dict[str, Race] | None = None
-        # which model side of a hybrid drafts when its lookup has no match (adaptive k, two or more sides)
-        self.source_race: Race | None = None
+        self.races: dict[str, ShapeRace] | None = None
         self._source: str | None = None  # the source of this step's proposal
         if k == "auto":
             self.controllers, k = {}, k_max
             if proposer is not None and proposer.emits_trees:
                 self.races = {}
-            if proposer is not None and len(proposer.model_sources) > 1:
-                self.source_race = Race(proposer.model_sources)
         elif not isinstance(k, int) or k < 0:
             raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
         if not 0 <= seed <= MAX_SEED:
@@ -356,27 +351,20 @@ class Engine:
             t = self.timer.since(mark)
             controller.observe_step(proposal, result, t.get("draft", 0.0), t["target_forward"] + t["verification"],
                                     caught_up=self.proposer.caught_up)
-            tokens = int(result.num_accepted.sum()) + len(self.rows)
-            seconds = t.get("draft", 0.0) + t["target_forward"] + t["verification"] + t.get("cache", 0.0)
             if self.races is not None:
-                self.races[self._source].observe(proposal.is_tree, tokens, seconds, self.proposer.caught_up)
-            if self.source_race is not None and self._source in self.source_race.arms:
-                self.source_race.observe(self._source, tokens, seconds, self.proposer.caught_up)
+                self.races[self._source].observe(proposal.is_tree, int(result.num_accepted.sum()) + len(self.rows),
+                                                 t.get("draft", 0.0) + t["target_forward"] + t["verification"] + t.get("cache", 0.0))
         self._record(proposal, result)
         return list(self.rows)
 
     def _controller(self, pending: list[list[int]]) -> AdaptiveK | TreeBudget | None:
-        """The k controller of the source the proposer will use next (adaptive k only): when a
-        hybrid's model side is up, the source race first names which side; with a tree proposer,
-        the source's race of shapes then picks the shape it drafts."""
+        """The k controller of the source the proposer will use next (adaptive k only); with a tree
+        proposer, the source's :class:`ShapeRace` first picks the shape it drafts."""
         if self.controllers is None or self.proposer is None:
             return None
         self._source = self.proposer.next_source(pending)
-        if self.source_race is not None and self._source in self.source_race.arms:
-            self._source = self.source_race.choose()
-            self.proposer.use_model(self._source)
         if self.races is not None:
-            self.proposer.use_trees(self.races.setdefault(self._source, Race((False, True))).choose())
+            self.proposer.use_trees(self.races.setdefault(self._source, ShapeRace()).choose())
         trees = self.proposer.emits_trees  # (a tree proposer also drafts chains while every row samples)
         key = f"{self._source}:{'tree' if trees else 'chain'}"
         if key not in self.controllers:

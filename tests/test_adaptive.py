@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from specdec.adaptive import AdaptiveK, Race, best_k, expected_tokens
+from specdec.adaptive import AdaptiveK, ShapeRace, best_k, expected_tokens
 from specdec.engine import Engine, Request
 from specdec.proposers import DraftModelProposer
 from specdec.sampling import SamplingParams
@@ -107,7 +107,7 @@ def test_the_proposers_prefill_does_not_become_the_draft_cost():
 
 
 def test_shape_race_tries_both_then_runs_the_faster_and_keeps_exploring():
-    race = Race((False, True), explore_every=4)
+    race = ShapeRace(explore_every=4)
     assert race.choose() is False  # chains first
     race.observe(False, 2, 0.020)  # 100 tokens/s
     assert race.choose() is True  # then trees
@@ -126,35 +126,12 @@ def test_shape_race_tries_both_then_runs_the_faster_and_keeps_exploring():
 
 
 def test_shape_race_counts_chains_drafted_for_sampled_rows_as_chains():
-    race = Race((False, True))
+    race = ShapeRace()
     race.choose()
     race.observe(False, 2, 0.02)
     assert race.choose() is True
     race.observe(False, 1, 0.02)  # trees were asked for, every row sampled: a chain step
     assert race.rate(True) is None and race.choose() is True  # trees still untried
-
-
-def test_race_of_model_sources_explores_each_other_arm_in_turn():
-    race = Race(("head", "draft", "early-exit"), explore_every=4)
-    for arm, rate in (("head", 3), ("draft", 2), ("early-exit", 1)):
-        assert race.choose() == arm  # each tried first, in order
-        race.observe(arm, rate, 1.0)
-    picks = [race.choose() for _ in range(8)]
-    assert picks.count("head") == 6 and {"draft", "early-exit"} <= set(picks)  # every 4th step, the others in turn
-
-
-def test_race_does_not_count_a_catch_up_step_and_measures_the_next_one():
-    """A draft model's first step after the head drafted also feeds the tokens it skipped: a cost
-    paid once per switch. The race stays on it for one more step and counts that one."""
-    race = Race(("head", "draft"))
-    race.observe(race.choose(), 3, 0.030)  # head: 100 tokens/s
-    assert race.choose() == "draft"
-    race.observe("draft", 3, 0.300, caught_up=True)  # 10 tokens/s, but a catch-up
-    assert race.rate("draft") is None and race.choose() == "draft"
-    race.observe("draft", 4, 0.030)
-    assert race.rate("draft") > race.rate("head") and race.choose() == "draft"
-    with pytest.raises(ValueError):
-        Race(("head",))
 
 
 class _SlowPrefill(DraftModelProposer):

@@ -66,7 +66,6 @@ def _one_line(err: str) -> str:
         (["--proposer", "hybrid-tree"], "has no shipped draft head"),
         (["--proposer", "suffix", "--ngram-max", "3"], "--ngram-min/--ngram-max has no effect"),
         (["--proposer", "draft"], "--proposer draft needs --draft"),
-        (["--proposer", "hybrid-draft"], "--proposer hybrid-draft needs --draft"),
         (["--draft", "small", "--proposer", "ngram"], "--draft has no effect with --proposer ngram"),
     ],
 )

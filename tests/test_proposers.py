@@ -40,7 +40,7 @@ def _make(kind, target, draft, capacity):
     if kind == "early-exit":
         return DraftModelProposer(target.truncated(1), capacity)
     if kind == "hybrid":
-        return HybridProposer(NgramProposer(1, 3), {"draft": DraftModelProposer(draft, capacity)})
+        return HybridProposer(NgramProposer(1, 3), DraftModelProposer(draft, capacity))
     if kind == "pruned":  # FR-Spec: logits for all ids but the last (never drafted); any rows are exact
         ids = torch.arange(draft.vocab_size - 1)
         return DraftModelProposer(draft.with_output_rows(draft.embed[ids].float()), capacity,
@@ -115,17 +115,3 @@ def test_negative_control_for_every_proposer(kind, monkeypatch):
     monkeypatch.setattr(verify_module, "residual_distribution", lambda p, q, tolerance=1e-6: p)
     counts, joint = _proposer_joint_counts(kind)
     assert chi_square_pvalue(counts, joint) < ALPHA
-
-
-def test_hybrid_sides_name_what_each_hybrid_drafts_with():
-    from specdec.api import hybrid_sides
-
-    assert hybrid_sides("hybrid", draft=True, head=True) == ("head", "draft")  # raced with --k auto
-    assert hybrid_sides("hybrid", draft=False, head=True) == ("head",)
-    assert hybrid_sides("hybrid", draft=True, head=False) == ("draft",)
-    assert hybrid_sides("hybrid", draft=False, head=False) == ("early-exit",)
-    assert hybrid_sides("hybrid-draft", draft=True, head=True) == ("draft",)
-    assert hybrid_sides("hybrid-tree", draft=True, head=True) == ("tree",)
-    assert hybrid_sides("ngram", draft=True, head=True) == ()
-    with pytest.raises(ValueError, match="at least one model side"):
-        HybridProposer(NgramProposer(1, 3), {})

@@ -43,7 +43,7 @@ def _proposers(target):
     return {
         "suffix": lambda: SuffixProposer(min_match=1),
         "head-tree": lambda: HeadTreeProposer(head, 96, width=3, depth=4),
-        "hybrid-tree": lambda: HybridProposer(SuffixProposer(), {"head": HeadTreeProposer(head, 96, width=2, depth=3)}),
+        "hybrid-tree": lambda: HybridProposer(SuffixProposer(), HeadTreeProposer(head, 96, width=2, depth=3)),
     }
 
 
@@ -131,7 +131,7 @@ def test_tree_proposers_draft_chains_while_every_row_samples(target):
         assert not p.emits_trees
         p.add([[1, 2, 3]], [SamplingParams(temperature=0.0)], torch.Generator(), target_hidden=hidden)
         assert p.emits_trees
-        p.use_trees(False)  # the engine's race of shapes asks for chains
+        p.use_trees(False)  # the engine's ShapeRace asks for chains
         assert not p.emits_trees
         p.use_trees(True)
         assert p.emits_trees

@@ -8,11 +8,10 @@ Methods (``--methods``, comma-separated):
 * ``hf_plain``, ``hf_assisted``, ``hf_prompt_lookup`` — transformers ``generate()`` on the same
   weights and dtype (int8: ``quantize_dynamic``), plain / with the draft model / prompt lookup;
 * ``plain`` — our plain decoding;
-* ``draft``, ``draft_auto``, ``ngram``, ``early_exit`` — our speculative variants (``draft`` with
-  fixed ``--k``, the others with adaptive k);
-* ``head``, ``head_auto`` — the target's draft head (fixed ``--k`` / adaptive k);
-* ``hybrid_head``, ``hybrid_draft``, ``hybrid`` — n-gram lookup when it matches, else the draft
-  head / the draft model / both, raced step by step (adaptive k);
+* ``draft``, ``draft_auto``, ``ngram``, ``early_exit``, ``hybrid`` — our speculative variants
+  (``draft`` with fixed ``--k``, the others with adaptive k);
+* ``head``, ``head_auto``, ``hybrid_head`` — the target's draft head (fixed ``--k`` / adaptive k /
+  with n-gram lookup when it matches, adaptive k);
 * ``suffix``, ``head_tree``, ``hybrid_tree`` — candidate trees (suffix lookup / the head's dynamic
   trees / suffix when it matches, else head trees), node budget chosen each step;
 * ``ngram_kN`` / ``draft_kN`` / ``head_kN`` / ``head_tree_kN`` — fixed k = N (for trees: N nodes);
@@ -50,7 +49,7 @@ from specdec.sampling import SamplingParams
 ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",
                "early_exit", "hybrid", "ngram_k1", "ngram_k2", "ngram_k4", "ngram_k8",
                "draft_k1", "draft_k2", "draft_k4", "draft_k8", "head", "head_auto", "hybrid_head",
-               "hybrid_draft", "suffix", "head_tree", "hybrid_tree", "llamacpp_plain", "llamacpp_spec"]
+               "suffix", "head_tree", "hybrid_tree", "llamacpp_plain", "llamacpp_spec"]
 QUICK_METHODS = ["hf_plain", "hf_assisted", "plain", "draft_auto", "ngram", "hybrid", "ngram_k2", "ngram_k8"]
 
 
@@ -77,7 +76,7 @@ def _method_spec(method: str, k_fixed: int) -> tuple[str | None, int | str]:
         return None, 0
     if method in ("draft", "head"):
         return method, k_fixed
-    if method.endswith("_auto") or method in ("ngram", "early_exit", "hybrid", "hybrid_head", "hybrid_draft", "suffix",
+    if method.endswith("_auto") or method in ("ngram", "early_exit", "hybrid", "hybrid_head", "suffix",
                                               "head_tree", "hybrid_tree"):
         return method.replace("_auto", "").replace("_", "-"), "auto"
     name, k = method.rsplit("_k", 1)

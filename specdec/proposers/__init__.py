@@ -7,12 +7,9 @@ from specdec.proposers.hybrid import HybridProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.proposers.suffix import SuffixProposer
 
-# The names the CLI and the API accept; "none" is plain decoding. Hybrids: n-gram lookup when the
-# text repeats itself, else "hybrid-head" the draft head, "hybrid-draft" the draft model, "hybrid"
-# both (raced) or whichever there is. Tree proposers: "suffix", "head-tree" and "hybrid-tree"
-# (suffix lookup, else head trees).
-PROPOSERS = ("head", "draft", "ngram", "early-exit", "hybrid", "hybrid-head", "hybrid-draft", "suffix", "head-tree",
-             "hybrid-tree", "none")
+# The names the CLI and the API accept; "none" is plain decoding. Tree proposers: "suffix",
+# "head-tree" and "hybrid-tree" (suffix lookup when the text repeats itself, else head trees).
+PROPOSERS = ("head", "draft", "ngram", "early-exit", "hybrid", "hybrid-head", "suffix", "head-tree", "hybrid-tree", "none")
 
 __all__ = ["PROPOSERS", "DraftModelProposer", "HeadProposer", "HeadTreeProposer", "HybridProposer", "NgramProposer",
            "Proposal", "Proposer", "SuffixProposer"]

@@ -134,10 +134,6 @@ class Proposer(Protocol):
     emits_trees: bool
     # Whether the last ``propose`` also fed tokens skipped earlier (its time is then not a per-draft cost).
     caught_up: bool
-    # The model-backed sources a hybrid can draft from when its lookup has no match, e.g.
-    # ("head", "draft"); with two or more the engine races them (:class:`~specdec.adaptive.Race`)
-    # and names the one to use (``use_model``). Empty for proposers with one way of drafting.
-    model_sources: tuple[str, ...]
 
     def next_source(self, pending: list[list[int]]) -> str:
         """Which proposer the next ``propose`` uses ("default" for a single one): adaptive k keeps
@@ -145,11 +141,7 @@ class Proposer(Protocol):
 
     def use_trees(self, on: bool) -> None:
         """Ask a proposer that drafts trees for chains instead (``on`` False) or trees again; the
-        engine's :class:`~specdec.adaptive.Race` of shapes decides. Proposers without trees ignore it."""
-
-    def use_model(self, name: str) -> None:
-        """Draft from this one of ``model_sources`` when the lookup has no match (from the next
-        ``next_source`` on)."""
+        engine's :class:`~specdec.adaptive.ShapeRace` decides. Proposers without trees ignore it."""
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
             target_hidden: torch.Tensor | None = None) -> None:
@@ -177,16 +169,12 @@ class SingleSource:
     controller ("default"), and ``caught_up`` (set by proposers that feed skipped tokens late)."""
 
     caught_up = False
-    model_sources: tuple[str, ...] = ()
 
     def next_source(self, pending: list[list[int]]) -> str:
         return "default"
 
     def use_trees(self, on: bool) -> None:
         pass  # a chain proposer
-
-    def use_model(self, name: str) -> None:
-        raise ValueError(f"this proposer has no model sources to choose from (asked for {name!r})")
 
 
 def tree_shape(trees_wanted: bool, always_trees: bool, params: list[SamplingParams]) -> bool:

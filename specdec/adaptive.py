@@ -21,7 +21,10 @@ the controller picks ``k* = argmax_{0 <= k <= k_max} E(k) / T(k)``. ``k = 0`` is
 Estimates are online: per-position acceptance counts with exponential forgetting (so the choice
 follows the text as it changes), exponential moving averages for the costs. While k = 0 is
 chosen, nothing would be learned about acceptance, so every ``probe_every`` steps one step with
-``probe_k`` drafts is taken to keep the estimates fresh.
+``probe_k`` drafts is taken to keep the estimates fresh. One draft is enough for that (the first
+position decides whether speculation resumes) and costs least: in a simulation of this
+controller with a draft model at 0.3 of a target step whose drafts are never accepted, probes of
+two drafts lost 8% against plain decoding and probes of one 4-5% (docs/BENCHMARKS.md §21).
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class AdaptiveK:
     prior_weight: float = 2.0
     ema: float = 0.3
     probe_every: int = 8
-    probe_k: int = 2
+    probe_k: int = 1
     accepted: list[float] = field(default_factory=list)
     tested: list[float] = field(default_factory=list)
     draft_cost: float | None = None

@@ -9,8 +9,7 @@ Model of one step with k draft tokens (a batch of B rows shares k):
   positions of the whole call is what makes the choice follow the load: one row's extra drafts
   are nearly free (the weights are read once either way), sixteen rows' are not (the call is
   compute-bound), and the same measurements serve every batch size;
-* tokens: with ``a_i`` = P(draft i accepted | drafts 1..i-1 accepted) (estimated per position,
-  see :meth:`AdaptiveK.acceptance`), the step commits
+* tokens: with ``a_i`` = P(draft i accepted | drafts 1..i-1 accepted), the step commits
   ``E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j`` tokens in expectation (every step commits at least
   the replacement or bonus token). With a constant ``a`` this is Leviathan et al.'s
   ``(1 - a^(k+1)) / (1 - a)``; measuring ``a_i`` per position drops the i.i.d. assumption.
@@ -108,22 +107,8 @@ class AdaptiveK:
         self.tested = [0.0] * self.k_max
 
     def acceptance(self) -> list[float]:
-        """``a_i`` per draft position: the counts shrunk towards a prior of weight
-        ``prior_weight`` — ``prior_accept`` for the first position, the estimate of position
-        i - 1 for position i.
-
-        Why chained: positions beyond the k the controller has been choosing are never tested, so
-        with one flat prior (0.5) their estimates stay at 0.5 whatever the text, deeper drafts
-        look poor, and k stays short exactly where drafts are accepted most (a draft model
-        accepted 0.95 per position ran at 1.33x plain, 1.54x with this prior, 1.61x at the best
-        fixed k; a simulation, docs/BENCHMARKS.md §21). Acceptance given the earlier drafts were
-        accepted is rarely lower deeper down (measured per position in every bench report), so
-        the previous position is the better guess until counts arrive."""
-        out, prior = [], self.prior_accept
-        for a, t in zip(self.accepted, self.tested):
-            prior = (a + prior * self.prior_weight) / (t + self.prior_weight)
-            out.append(prior)
-        return out
+        return [(a + self.prior_accept * self.prior_weight) / (t + self.prior_weight)
+                for a, t in zip(self.accepted, self.tested)]
 
     def verify_costs(self, rows: int = 1) -> list[float]:
         """Estimated seconds of a call verifying k = 0..k_max drafts for each of ``rows`` rows."""

@@ -130,6 +130,27 @@ void pv_avx512(int64_t rep, const float* p, const float* vbase, const int64_t* s
 }
 #endif
 
+// Software prefetch of the key and value rows of keys [j, j + count) (clamped to n): the cache of
+// a layer is cold at every step (the step's weight stream evicts it), and the kernel reads 16
+// key rows side by side, a pattern the hardware prefetchers follow poorly (measured: one query
+// over 305 keys took 35 us per item cold, 10 us hot; 16 keys ahead saved 11-12% of the
+// attention of 1- and 5-query blocks over 28 cold layers, none at 9). Keys go to L1, values to L2 (read after
+// all the scores). Loads only: the arithmetic, hence the result, is unchanged.
+inline void prefetch_rows(const float* kbase, const float* vbase, const int64_t* slot, int64_t j, int64_t count,
+                          int64_t n, int64_t D) {
+  const int64_t end = std::min(n, j + count);
+  for (; j < end; ++j) {
+    const char* kp = reinterpret_cast<const char*>(kbase + slot[j] * D);
+    const char* vp = reinterpret_cast<const char*>(vbase + slot[j] * D);
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(float)); b += 64) {
+      _mm_prefetch(kp + b, _MM_HINT_T0);
+      _mm_prefetch(vp + b, _MM_HINT_T1);
+    }
+  }
+}
+
+int64_t g_prefetch_keys = 16;  // keys ahead of the block being scored; 0: no software prefetch (measurements)
+
 // One (row, query, kv head) item: the `rep` query heads sharing the kv head.
 // scores: [rep, n] scratch. q: the first query head's vector; consecutive heads are D apart.
 void attend_item(const float* q, const float* kbase, const float* vbase, float* o, int64_t rep, int64_t D,
@@ -138,10 +159,13 @@ void attend_item(const float* q, const float* kbase, const float* vbase, float* 
   scores.resize(rep * n);
   acc.assign(rep * D, 0.0f);
   int64_t j0 = 0;
+  prefetch_rows(kbase, vbase, slot, 0, g_prefetch_keys, n, D);
 #ifdef __AVX512F__
   if (wide)
-    for (; j0 + kLanes <= n; j0 += kLanes)  // 16 keys at a time, the 16 trees side by side
+    for (; j0 + kLanes <= n; j0 += kLanes) {  // 16 keys at a time, the 16 trees side by side
+      if (g_prefetch_keys) prefetch_rows(kbase, vbase, slot, j0 + g_prefetch_keys, kLanes, n, D);
       for (int64_t r = 0; r < rep; ++r) scores16_avx512(q + r * D, kbase, slot + j0, D, sc, scores.data() + r * n + j0);
+    }
 #endif
   for (int64_t j = j0; j < n; ++j) {  // each key row is read once for the `rep` heads sharing it
     const float* kp = kbase + slot[j] * D;
@@ -292,5 +316,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "per-query attention over listed visible slots (batch invariant)");
   m.def("attend_block", &attend_block, "rope, cache write and attention of a block in one call (batch invariant)");
   m.def("force_portable", [](bool on) { g_portable = on; }, "tests: plain C++ loops instead of AVX-512");
+  m.def("set_prefetch_keys", [](int64_t keys) { g_prefetch_keys = keys; }, "measurements: keys prefetched ahead (0: none)");
 }
 #endif

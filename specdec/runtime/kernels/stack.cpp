@@ -83,4 +83,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "per layer: norm_in, qkv packed, qkv bias, o packed, o bias, norm_post, gate_up packed, down packed; eps, "
            "attention scale, query heads")
       .def("forward", &Stack::forward, "every layer of a block (see Block._forward_fused), in one call");
+  m.def("set_prefetch_keys", [](int64_t keys) { sd_attention::g_prefetch_keys = keys; },
+        "measurements: the attention's keys prefetched ahead (0: none)");
 }

@@ -169,8 +169,9 @@ def test_fused_block_gives_the_bits_of_the_op_by_op_block(kind, dtype):
     assert torch.equal(k1, k0) and torch.equal(v1, v0)
 
 
+@pytest.mark.parametrize("dtype", ["q4", "q4k"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_layer_stack_gives_the_bits_of_the_per_layer_loop(kind):
+def test_layer_stack_gives_the_bits_of_the_per_layer_loop(kind, dtype):
     """Issue 11: running every layer in one C++ call (kernels/stack.cpp) must not change a bit:
     prefill, chain and tree logits and the whole cache equal the per-layer Python loop's, for
     the model and for an early-exit view of its first layers (which gets a stack of its own)."""
@@ -179,7 +180,7 @@ def test_layer_stack_gives_the_bits_of_the_per_layer_loop(kind):
 
     if not q4.available():
         pytest.skip("the 4-bit kernel needs an AVX2 CPU")
-    model = ours(hf_tiny(kind), "q4")
+    model = ours(hf_tiny(kind), dtype)
     for m in (model, model.truncated(1)):
         assert m.stack is not None  # fused q4 blocks over whole tiles: the stack is the default
         m.use_stack = True

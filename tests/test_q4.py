@@ -89,3 +89,85 @@ def test_every_instruction_set_gives_the_same_bits():
         q4.kernel().force_isa(0)
     reference = q4.reference_linear(x, state)
     assert all(torch.equal(out, reference) for out in outputs)
+
+
+# ---- the superblock layout (dtype q4k) ----
+
+@pytest.mark.parametrize("n, k, rows, bias", [(8, 32, 1, False), (13, 96, 5, True), (200, 256, 17, True),
+                                              (64, 1536, 9, False), (40, 896, 16, True), (3, 288, 33, True)])
+def test_q4k_kernel_is_bit_identical_to_the_reference(n, k, rows, bias):
+    """Full and partial superblocks (896 = 3.5 x 256, 96 and 288: an odd group count, a zero-padded
+    pair of mins), 1..33 rows (the 16-row register blocks and their tail), outputs padded to tiles."""
+    g = torch.Generator().manual_seed(n * k + rows)
+    state = q4.quantize_q4k(torch.randn(n, k, generator=g), torch.randn(n, generator=g) if bias else None)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
+    x[0, :256] = 0.0  # an all-zero superblock (scale 0)
+    x[-1, 5] = 1e4  # an outlier: coarsens only its own superblock
+    layer = q4.Q4Linear(state)
+    got = layer(x)
+    assert got.shape == (rows, n) and layer.in_features == k
+    reference = q4.reference_linear_q4k(x, state)
+    assert torch.equal(got, reference)
+    try:  # the plain C++ loop (CPUs without AVX-512 VNNI) computes the same integers and floats
+        q4.kernel().force_isa(1)
+        assert torch.equal(layer(x), reference)
+    finally:
+        q4.kernel().force_isa(0)
+
+
+def test_q4k_reference_catches_a_wrong_rescaling_order():
+    """Negative control for the bit-exact test above: the same sums with the float rescaling done
+    per group (the q4 order) instead of per superblock differ in the last bits somewhere."""
+    g = torch.Generator().manual_seed(3)
+    state = q4.quantize_q4k(torch.randn(32, 512, generator=g))
+    x = torch.randn(4, 512, generator=g)
+    xq, xd, xs = q4.quantize_activations_q4k(x)
+    codes, sc, m, d, dmin = q4._unpack_q4k(state["packed"], 16)
+    idot = torch.einsum("mgj,ngj->mng", xq.long(), codes.long())
+    wrong = torch.zeros(4, 32)
+    for i in range(16):
+        s = i // q4.SUPER
+        wrong = wrong + xd[:, s : s + 1] * (d[:, s] * (sc[:, i] * idot[:, :, i]).float() - dmin[:, s] * (m[:, i] * xs[:, i : i + 1]).float())
+    right = q4.Q4Linear(state)(x)
+    assert (wrong - right).abs().max() < 1e-3 * right.abs().max()  # the same product...
+    assert not torch.equal(wrong, right)  # ...but not the same bits
+
+
+def test_q4k_rows_are_independent_of_the_call():
+    g = torch.Generator().manual_seed(0)
+    layer = q4.Q4Linear(q4.quantize_q4k(torch.randn(48, 640, generator=g)))
+    x = torch.randn(20, 640, generator=g)
+    x[7] *= 100
+    together = layer(x)
+    for i in range(20):
+        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+    assert torch.equal(layer(x[3:8]), together[3:8])
+
+
+def test_q4k_error_is_bounded_by_its_step():
+    """Each weight is within half a quantization step (d * sc) plus half the min's step (dmin / 2)
+    of its value: ``sc`` is rounded up, so a group's range always fits its 16 levels."""
+    w = torch.randn(32, 640, generator=torch.Generator().manual_seed(2)) * torch.logspace(-2, 0, 640)
+    state = q4.quantize_q4k(w)
+    codes, sc, m, d, dmin = q4._unpack_q4k(state["packed"], 20)
+    s_of_g = torch.arange(20) // q4.SUPER
+    step = d[:, s_of_g] * sc.float()  # [N, G]
+    err = (q4.dequantize_q4k(state, 640) - w).abs().view(32, 20, 32).amax(-1)
+    assert (err <= 0.5 * step + 0.5 * dmin[:, s_of_g] + 1e-6).all()
+    assert (sc <= 255).all() and (m.abs() <= 127).all()
+
+
+def test_q4k_uses_fewer_bytes_than_q4():
+    w = torch.randn(64, 1536, generator=torch.Generator().manual_seed(4))
+    assert q4.quantize_q4k(w)["packed"].numel() / q4.quantize_q4(w)["packed"].numel() == 2368 / 2560
+
+
+def test_q4k_speculative_greedy_equals_plain():
+    target = ours(hf_tiny("qwen2", seed=0), "q4k")
+    draft = ours(hf_tiny("qwen2", seed=0, layers=1), "q4k")
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13]]
+    greedy = SamplingParams(temperature=0.0)
+    plain = generate(target, prompts, greedy, 30)
+    spec = generate(target, prompts, greedy, 30, proposer=DraftModelProposer(draft, 64), k=4)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert spec[0].metrics.acceptance.drafted > 0

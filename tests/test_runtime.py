@@ -104,8 +104,8 @@ def _row_three_ways(model):
     return one_by_one, alone, batched
 
 
-@pytest.mark.parametrize("dtype", ["int8", pytest.param("q4", marks=pytest.mark.skipif(
-    not q4.available(), reason="the 4-bit kernel needs an AVX2 CPU"))])
+@pytest.mark.parametrize("dtype", ["int8"] + [pytest.param(d, marks=pytest.mark.skipif(
+    not q4.available(), reason="the 4-bit kernel needs an AVX2 CPU")) for d in ("q4", "q4k")])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_logits_are_bit_identical_alone_in_a_block_and_in_a_batch(arch, dtype):
     one_by_one, alone, batched = _row_three_ways(ours(hf_tiny(arch), dtype))

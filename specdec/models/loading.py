@@ -27,8 +27,8 @@ from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.runtime.model import Transformer
 
 # Bump a format when its quantized layout or recipe changes (it is part of the cache key).
-QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2"}
-DTYPES = ("int8", "q4", "bfloat16", "float32")
+QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2", "q4k": "q4k-sb256-u8s8-f16-tiles16-v1"}
+DTYPES = ("int8", "q4", "q4k", "bfloat16", "float32")
 DONE = "done"  # marker written last into a converted directory: its files and their sizes
 
 

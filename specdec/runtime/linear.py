@@ -19,7 +19,9 @@ per-row scale set by them quantizes the other channels to a handful of levels. A
 in exact arithmetic. The division is elementwise, so row independence is kept.
 
 ``q4``: 4-bit weights in groups of 32 x per-group int8 activations, our own kernel; also
-batch invariant (see :mod:`specdec.runtime.q4`).
+batch invariant (see :mod:`specdec.runtime.q4`). ``q4k``: the same kernel on GGUF Q4_K's layout
+(integer sub-scales per superblock of 256 inputs, activations quantized per superblock): 7.5%
+fewer weight bytes.
 
 ``float32`` / ``bfloat16``: ``F.linear`` in that dtype (summation order may differ by ~1e-6
 between call shapes).
@@ -34,8 +36,10 @@ import torch.nn.functional as F
 
 from specdec.runtime import q4
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "q4": torch.uint8}
-QUANTIZED = ("int8", "q4")  # dtypes whose layers are built once and cached on disk
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "q4": torch.uint8,
+          "q4k": torch.uint8}
+QUANTIZED = ("int8", "q4", "q4k")  # dtypes whose layers are built once and cached on disk
+FOUR_BIT = ("q4", "q4k")  # the two layouts of q4.Q4Linear (per-group scales; integer sub-scales)
 # The default everywhere (CLI, API, loading): the 4-bit path where this CPU runs its kernel — faster
 # than int8 and closer to the GGUF weights (docs/BENCHMARKS.md §7) — else int8.
 DEFAULT_DTYPE = "q4" if q4.available() else "int8"
@@ -154,15 +158,16 @@ class LinearBuilder:
         if self.quantized is not None:
             prefix = name + "."
             state = {k[len(prefix):]: v for k, v in self.quantized.items() if k.startswith(prefix)}
-            if ("packed" if self.dtype == "q4" else "qweight") not in state:
+            if ("packed" if self.dtype in FOUR_BIT else "qweight") not in state:
                 raise KeyError(f"quantized cache has no layer {name!r}")
         else:
-            if self.dtype == "q4":
-                state = q4.quantize_q4(weight_fn(), bias_fn())
+            if self.dtype in FOUR_BIT:
+                quantize = q4.quantize_q4 if self.dtype == "q4" else q4.quantize_q4k
+                state = quantize(weight_fn(), bias_fn())
             else:
                 state = quantize_int8(weight_fn(), bias_fn(), self.act_absmax.get(name))
             self.exported.update({f"{name}.{k}": v for k, v in state.items()})
-        if self.dtype == "q4":
+        if self.dtype in FOUR_BIT:
             return q4.Q4Linear(state)
         layer = RowInt8Linear(state)
         self._to_pack.append(layer)

@@ -142,6 +142,140 @@ def reference_linear(x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.T
     return acc[:, : int(state["out_features"])]
 
 
+SUPER = 8  # groups per superblock in the q4k format (256 inputs)
+
+
+def _superblocks(g: int) -> list[tuple[int, int]]:
+    """``(first group, group count)`` of each superblock of a row of ``g`` groups."""
+    return [(s, min(SUPER, g - s)) for s in range(0, g, SUPER)]
+
+
+def quantize_q4k(weight: torch.Tensor, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """``weight`` ``[N, K]`` (K a multiple of 32) -> the tensors of a :class:`Q4Linear` in the
+    superblock (``q4k``) layout: ``packed`` ``[N16/16, tile bytes]`` uint8, ``out_features``,
+    optionally ``bias``.
+
+    The format of GGUF's Q4_K, with 8-bit sub-scales: in each superblock of up to 8 groups of 32
+    inputs, ``w = d * sc[g] * q - dmin * m[g]`` with 4-bit codes ``q``, ``sc[g]`` in 0..255,
+    ``m[g]`` in -127..127 and ``d``, ``dmin`` fp16 per output and superblock. Each group's range
+    gives ``scale = (max - min) / 15`` and ``min = -min(w)``; ``d = max(scale) / 255`` and
+    ``sc = ceil(scale / d)`` (the group's range still fits its 16 levels), ``dmin = max|min| / 127``,
+    ``m = round(min / dmin)``; the codes are chosen for these values, ``q = round((w + dmin * m) /
+    (d * sc))``. Layout per tile and superblock: the codes of its groups (:func:`_pack`), ``sc``
+    ``[ng, 16]``, ``m`` as pairs of groups ``[ceil(ng/2), 16, 2]`` (zero-padded), ``d`` and ``dmin``
+    ``[16]`` fp16 — 2,368 bytes for 4,096 weights (4.625 bits each, against 5 for ``q4``).
+    """
+    n, k = weight.shape
+    if not supported(k):
+        raise ValueError(f"4-bit layers need in_features divisible by {GROUP}, got {k}")
+    w = weight.float()
+    n16 = -(-n // TILE) * TILE
+    if n16 != n:
+        w = torch.cat([w, w.new_zeros(n16 - n, k)])
+    g = k // GROUP
+    nt = n16 // TILE
+    groups = w.view(n16, g, GROUP)  # [N16, G, 32]
+    lo, hi = groups.amin(-1), groups.amax(-1)  # [N16, G]
+    scale, minimum = (hi - lo) / 15.0, -lo
+    pieces = []
+    for g0, ng in _superblocks(g):
+        s_g, m_g = scale[:, g0 : g0 + ng], minimum[:, g0 : g0 + ng]  # [N16, ng]
+        d = (s_g.amax(-1) / 255.0).half()  # [N16]
+        dmin = (m_g.abs().amax(-1) / 127.0).half()
+        d32, dm32 = d.float().unsqueeze(-1), dmin.float().unsqueeze(-1)
+        sc = torch.where(d32 > 0, torch.ceil(s_g / torch.where(d32 > 0, d32, torch.ones_like(d32))), torch.zeros_like(s_g))
+        sc = sc.clamp_(0, 255)
+        m = torch.where(dm32 > 0, torch.round(m_g / torch.where(dm32 > 0, dm32, torch.ones_like(dm32))), torch.zeros_like(m_g))
+        m = m.clamp_(-127, 127)
+        step = (d32 * sc).unsqueeze(-1)  # [N16, ng, 1]
+        offset = (dm32 * m).unsqueeze(-1)
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        q = torch.where(step > 0, torch.round((groups[:, g0 : g0 + ng] + offset) / safe), torch.zeros_like(step))
+        q = q.clamp_(0, 15).to(torch.uint8).view(nt, TILE, ng, GROUP).transpose(1, 2)  # [NT, ng, 16, 32]
+        mp = torch.cat([m, m.new_zeros(n16, ng % 2)], 1) if ng % 2 else m  # [N16, 2 * pairs]
+        mp = mp.to(torch.int8).view(nt, TILE, -1, 2).transpose(1, 2).contiguous().view(torch.uint8)  # [NT, pairs, 16, 2]
+        pieces += [
+            _pack(q).reshape(nt, -1),
+            sc.to(torch.uint8).view(nt, TILE, ng).transpose(1, 2).reshape(nt, -1),
+            mp.reshape(nt, -1),
+            d.view(nt, TILE).contiguous().view(torch.uint8),
+            dmin.view(nt, TILE).contiguous().view(torch.uint8),
+        ]
+    state = {"packed": torch.cat(pieces, 1).contiguous(), "out_features": torch.tensor(n), "in_features": torch.tensor(k)}
+    if bias is not None:
+        state["bias"] = torch.cat([bias.float(), bias.new_zeros(n16 - n).float()])
+    return state
+
+
+def _unpack_q4k(packed: torch.Tensor, g: int) -> tuple[torch.Tensor, ...]:
+    """``[NT, tile bytes]`` -> codes ``[N16, G, 32]``, ``sc`` and ``m`` ``[N16, G]`` (int64),
+    ``d`` and ``dmin`` ``[N16, S]`` (fp32): the inverse of :func:`quantize_q4k`'s layout."""
+    nt = packed.shape[0]
+    codes, sc, m, d, dmin = [], [], [], [], []
+    at = 0
+    for _, ng in _superblocks(g):
+        pairs = -(-ng // 2)
+        cut = [ng * CODE_BYTES, ng * TILE, pairs * 2 * TILE, 2 * TILE, 2 * TILE]
+        parts = []
+        for size in cut:
+            parts.append(packed[:, at : at + size].contiguous())
+            at += size
+        b = parts[0].view(nt, ng, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, ng, 16)  # [N16, ng, 16]
+        codes.append(torch.cat([b & 0x0F, b >> 4], -1))
+        sc.append(parts[1].view(nt, ng, TILE).transpose(1, 2).reshape(nt * TILE, ng).long())
+        mm = parts[2].view(torch.int8).view(nt, pairs, TILE, 2).transpose(1, 2).reshape(nt * TILE, 2 * pairs)
+        m.append(mm[:, :ng].long())
+        d.append(parts[3].view(torch.float16).float().reshape(nt * TILE, 1))
+        dmin.append(parts[4].view(torch.float16).float().reshape(nt * TILE, 1))
+    if at != packed.shape[1]:
+        raise ValueError(f"a q4k weight of {g} groups has {at} bytes per tile, got {packed.shape[1]}")
+    return torch.cat(codes, 1), torch.cat(sc, 1), torch.cat(m, 1), torch.cat(d, 1), torch.cat(dmin, 1)
+
+
+def dequantize_q4k(state: dict[str, torch.Tensor], in_features: int) -> torch.Tensor:
+    """The ``[N, K]`` fp32 weights that a q4k state represents."""
+    g = in_features // GROUP
+    codes, sc, m, d, dmin = _unpack_q4k(state["packed"], g)
+    s_of_g = torch.tensor([i // SUPER for i in range(g)])
+    step = d[:, s_of_g] * sc.float()  # [N16, G]
+    w = step.unsqueeze(-1) * codes.float() - (dmin[:, s_of_g] * m.float()).unsqueeze(-1)
+    return w.reshape(w.shape[0], in_features)[: int(state["out_features"])]
+
+
+def quantize_activations_q4k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` fp32 -> int8 codes ``[M, G, 32]``, scales ``[M, S]`` (one per superblock)
+    and code sums per group ``[M, G]`` (int64), exactly as the kernel computes them."""
+    m_rows, k = x.shape
+    g = k // GROUP
+    codes, scales = [], []
+    for g0, ng in _superblocks(g):
+        part = x.float()[:, g0 * GROUP : (g0 + ng) * GROUP]
+        d = part.abs().amax(-1) / 127.0  # [M]
+        inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+        codes.append(torch.round(part * inv.unsqueeze(-1)).clamp_(-127, 127))
+        scales.append(d)
+    xq = torch.cat(codes, 1).view(m_rows, g, GROUP)
+    return xq.to(torch.int8), torch.stack(scales, 1), xq.long().sum(-1)
+
+
+def reference_linear_q4k(x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The kernel's q4k computation in plain torch (slow; the bit-exact reference for the tests)."""
+    g = x.shape[1] // GROUP
+    xq, xd, xs = quantize_activations_q4k(x)  # [M, G, 32], [M, S], [M, G]
+    codes, sc, m, d, dmin = _unpack_q4k(state["packed"], g)
+    idot = torch.einsum("mgj,ngj->mng", xq.long(), codes.long())  # [M, N16, G], exact integers
+    acc = torch.zeros(x.shape[0], codes.shape[0])
+    for s, (g0, ng) in enumerate(_superblocks(g)):
+        isc = (idot[:, :, g0 : g0 + ng] * sc[:, g0 : g0 + ng]).sum(-1)  # [M, N16], exact
+        imin = (xs[:, None, g0 : g0 + ng] * m[None, :, g0 : g0 + ng]).sum(-1)
+        fs = d[:, s] * isc.to(torch.int32).float()
+        fm = dmin[:, s] * imin.to(torch.int32).float()
+        acc = acc + xd[:, s : s + 1] * (fs - fm)
+    if "bias" in state:
+        acc = acc + state["bias"]
+    return acc[:, : int(state["out_features"])]
+
+
 def kernel():
     """The compiled kernel module (built on first use, cached per machine under $SPECDEC_HOME)."""
     if not available():
@@ -154,9 +288,9 @@ class Q4Linear(torch.nn.Module):
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.packed = state["packed"]  # [NT, G, 320]
+        self.packed = state["packed"]  # [NT, G, 320] (q4) or [NT, tile bytes] (q4k)
         self.out_features = int(state["out_features"])
-        self.in_features = self.packed.shape[1] * GROUP
+        self.in_features = self.packed.shape[1] * GROUP if self.packed.dim() == 3 else int(state["in_features"])
         bias = state.get("bias")
         self.bias = bias if bias is not None else torch.empty(0)
         self._k = kernel()

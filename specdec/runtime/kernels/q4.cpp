@@ -149,21 +149,234 @@ static void q4_tiles_avx512(int64_t tile_begin, int64_t tile_end, int64_t M, int
 }
 #pragma GCC pop_options
 
+
+// ---- The superblock format (dtype q4k): integer sub-scales, as GGUF's Q4_K ----
+//
+// Per tile of 16 outputs and superblock of up to 8 groups (256 inputs), one contiguous run of bytes:
+//   codes [ng][256] (tile_codes, as above) | sc [ng][16] uint8 | m [ceil(ng/2)][16][2] int8 (pairs of
+//   groups, zero-padded) | d [16] fp16 | dmin [16] fp16,
+// so w[n, 32g + j] = d[n] * sc[g][n] * q - dmin[n] * m[g][n]. A tile's superblocks follow each other.
+// Activations: each row, each superblock quantized on its own (d = max|x|/127, xq = round(x / d)),
+// with the int16 sums of the codes of each group (xs, [M, S, 8], zero-padded). Per row and
+// superblock, exactly in integers: isc = sum_g sc[g] * idot_g, imin = sum_g m[g] * xs[g]; then in fp32,
+// superblocks in order: acc += xd[m, s] * (d * float(isc) - dmin * float(imin)).
+// The float work is once per superblock instead of once per group (the q4 format above): what makes
+// a multi-row call cheaper (docs/BENCHMARKS.md §22).
+constexpr int64_t kSuper = 8;  // groups per superblock
+
+inline int64_t sb_bytes(int64_t ng) { return ng * (kTile * kGroup / 2) + ng * kTile + ((ng + 1) / 2) * 2 * kTile + 4 * kTile; }
+
+inline int64_t tile_bytes_sb(int64_t G) {
+  const int64_t full = G / kSuper, rest = G % kSuper;
+  return full * sb_bytes(kSuper) + (rest ? sb_bytes(rest) : 0);
+}
+
+// Per-row, per-superblock int8 quantization of x [M, K]: xq [M, K], xd [M, S], xs [M, S, 8].
+void quantize_rows_sb(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, int16_t* xs) {
+  const int64_t G = K / kGroup, S = (G + kSuper - 1) / kSuper;
+  at::parallel_for(0, M * S, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / S, s = i % S, g0 = s * kSuper, ng = std::min(kSuper, G - g0);
+      const float* src = x + m * K + g0 * kGroup;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < ng * kGroup; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float dd = amax / 127.0f;
+      const float id = dd > 0.0f ? 1.0f / dd : 0.0f;
+      int8_t* dst = xq + m * K + g0 * kGroup;
+      int16_t* sums = xs + i * kSuper;
+      for (int64_t g = 0; g < kSuper; ++g) {
+        int32_t sum = 0;
+        for (int64_t j = 0; g < ng && j < kGroup; ++j) {
+          float v = std::nearbyint(src[g * kGroup + j] * id);
+          v = std::min(127.0f, std::max(-127.0f, v));
+          dst[g * kGroup + j] = static_cast<int8_t>(v);
+          sum += dst[g * kGroup + j];
+        }
+        sums[g] = static_cast<int16_t>(sum);
+      }
+      xd[i] = dd;
+    }
+  });
+}
+
+// Plain C++ (any CPU; tests): the same integers and the same float operations, one output at a time.
+static void q4k_tiles_portable(int64_t tile_begin, int64_t tile_end, int64_t M, int64_t G, int64_t N,
+                               const uint8_t* P, const int8_t* XQ, const float* XD, const int16_t* XS,
+                               const float* B, float* Y) {
+  const int64_t K = G * kGroup, S = (G + kSuper - 1) / kSuper, TB = tile_bytes_sb(G);
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile)
+    for (int64_t o = 0; o < kTile; ++o)
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.0f;
+        const uint8_t* p = P + tile * TB;
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t ng = std::min(kSuper, G - s * kSuper);
+          const uint8_t* sc = p + ng * 256;
+          const int8_t* mm = reinterpret_cast<const int8_t*>(sc + ng * kTile);
+          const uint16_t* dd = reinterpret_cast<const uint16_t*>(mm + ((ng + 1) / 2) * 2 * kTile);
+          int32_t isc = 0, imin = 0;
+          for (int64_t g = 0; g < ng; ++g) {
+            const uint8_t* codes = p + g * 256;
+            const int8_t* xq = XQ + m * K + (s * kSuper + g) * kGroup;
+            int32_t idot = 0;
+            for (int64_t r = 0; r < 4; ++r)
+              for (int64_t t = 0; t < 4; ++t) {
+                const uint8_t b = codes[64 * r + 4 * o + t];
+                idot += (b & 0x0F) * xq[4 * r + t] + (b >> 4) * xq[16 + 4 * r + t];
+              }
+            isc += static_cast<int32_t>(sc[g * kTile + o]) * idot;
+            imin += static_cast<int32_t>(mm[(g / 2) * 2 * kTile + 2 * o + g % 2]) * XS[(m * S + s) * kSuper + g];
+          }
+          const float fs = _cvtsh_ss(dd[o]) * static_cast<float>(isc);
+          const float fm = _cvtsh_ss(dd[kTile + o]) * static_cast<float>(imin);
+          acc = acc + XD[m * S + s] * (fs - fm);
+          p += sb_bytes(ng);
+        }
+        if (B) acc = acc + B[tile * kTile + o];
+        Y[m * N + tile * kTile + o] = acc;
+      }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+// One tile, R rows, 16 outputs per 512-bit register; per row and group 8 vpdpbusd, an integer add,
+// a multiply by the sub-scales and an add; per row and superblock the mins' dot products
+// (vpdpwssd on group pairs) and the float rescaling.
+template <int R>
+static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, const float* XD,
+                                 const int16_t* XS, const float* bias, float* Y, int64_t N) {
+  const int64_t S = (G + kSuper - 1) / kSuper;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  alignas(64) float accb[R * kTile];
+  for (int i = 0; i < R * kTile; ++i) accb[i] = 0.0f;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t ng = std::min(kSuper, G - s * kSuper);
+    const uint8_t* sc = p + ng * 256;
+    const uint8_t* mm = sc + ng * kTile;
+    const uint8_t* dd = mm + ((ng + 1) / 2) * 2 * kTile;
+    __m512i isc[R];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) isc[i] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t* chunk = p + g * 256;
+      for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
+      __m512i wv[8];
+      for (int r = 0; r < 4; ++r) {
+        const __m512i v = _mm512_loadu_si512(chunk + 64 * r);
+        wv[2 * r] = _mm512_and_si512(v, mask);
+        wv[2 * r + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      }
+      const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kTile * g)));
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + (s * kSuper + g) * kGroup);
+        __m512i i0 = dpbusd_bcst(_mm512_setzero_si512(), wv[0], x4 + 0);
+        __m512i i1 = dpbusd_bcst(_mm512_setzero_si512(), wv[1], x4 + 4);
+        i0 = dpbusd_bcst(i0, wv[2], x4 + 1);
+        i1 = dpbusd_bcst(i1, wv[3], x4 + 5);
+        i0 = dpbusd_bcst(i0, wv[4], x4 + 2);
+        i1 = dpbusd_bcst(i1, wv[5], x4 + 6);
+        i0 = dpbusd_bcst(i0, wv[6], x4 + 3);
+        i1 = dpbusd_bcst(i1, wv[7], x4 + 7);
+        isc[i] = _mm512_add_epi32(isc[i], _mm512_mullo_epi32(_mm512_add_epi32(i0, i1), scv));
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd)));
+    const __m512 dmv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + 32)));
+    const int64_t np = (ng + 1) / 2;
+    __m512i mp[kSuper / 2];
+    for (int64_t q = 0; q < np; ++q) mp[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mm + 32 * q)));
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const int32_t* xs2 = reinterpret_cast<const int32_t*>(XS + (i * S + s) * kSuper);
+      __m512i imin = _mm512_setzero_si512();
+      for (int64_t q = 0; q < np; ++q) imin = _mm512_dpwssd_epi32(imin, mp[q], _mm512_set1_epi32(xs2[q]));
+      const __m512 fs = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(isc[i]));
+      const __m512 fm = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(imin));
+      const __m512 a = _mm512_load_ps(accb + i * kTile);
+      _mm512_store_ps(accb + i * kTile, _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(XD[i * S + s]), _mm512_sub_ps(fs, fm))));
+    }
+    p = dd + 64;
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    __m512 out = _mm512_load_ps(accb + i * kTile);
+    if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(Y + i * N, out);
+  }
+}
+
+template <int R>
+static void q4k_rows_dispatch(int rows, const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, const float* XD,
+                              const int16_t* XS, const float* bias, float* Y, int64_t N) {
+  if constexpr (R > 0) {
+    if (rows == R) return q4k_tile_rows_avx512<R>(p, G, K, XQ, XD, XS, bias, Y, N);
+    return q4k_rows_dispatch<R - 1>(rows, p, G, K, XQ, XD, XS, bias, Y, N);
+  }
+}
+
+static void q4k_tiles_avx512(int64_t tile_begin, int64_t tile_end, int64_t M, int64_t G, int64_t N,
+                             const uint8_t* P, const int8_t* XQ, const float* XD, const int16_t* XS,
+                             const float* B, float* Y) {
+  const int64_t K = G * kGroup, S = (G + kSuper - 1) / kSuper, TB = tile_bytes_sb(G);
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile)
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows512) {
+      const int rows = static_cast<int>(std::min(kMaxRows512, M - m0));
+      q4k_rows_dispatch<kMaxRows512>(rows, P + tile * TB, G, K, XQ + m0 * K, XD + m0 * S, XS + m0 * S * kSuper,
+                                     B ? B + tile * kTile : nullptr, Y + m0 * N + tile * kTile, N);
+    }
+}
+#pragma GCC pop_options
+
+// x [M, K] (2-D view) times a superblock-format weight [NT, tile bytes] into y.
+void q4k_linear_into(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias, torch::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), NT = packed.size(0), G = K / kGroup, N = NT * kTile;
+  const int64_t S = (G + kSuper - 1) / kSuper;
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  auto xd = torch::empty({M, S}, x.options());
+  auto xs = torch::empty({M, S, kSuper}, x.options().dtype(torch::kShort));
+  quantize_rows_sb(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int16_t>());
+  const uint8_t* P = packed.data_ptr<uint8_t>();
+  const int8_t* XQ = xq.data_ptr<int8_t>();
+  const float* XD = xd.data_ptr<float>();
+  const int16_t* XS = xs.data_ptr<int16_t>();
+  const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  static const bool has_avx512 = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                                 __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                 __builtin_cpu_supports("avx512dq");
+  const bool wide = has_avx512 && (g_force_isa == 0 || g_force_isa == 3);
+  at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
+    if (wide)
+      q4k_tiles_avx512(begin, end, M, G, N, P, XQ, XD, XS, B, Y);
+    else
+      q4k_tiles_portable(begin, end, M, G, N, P, XQ, XD, XS, B, Y);
+  });
+}
 }  // namespace
 
 // x [..., K] fp32 -> y [..., N] fp32, N = 16 * tiles. bias may be empty.
 torch::Tensor q4_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor bias) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == torch::kFloat && x_in.is_contiguous(), "x must be [..., K] contiguous fp32");
   auto x = x_in.view({-1, x_in.size(-1)});
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kChunk && packed.scalar_type() == torch::kByte && packed.is_contiguous(),
-              "packed must be [N/16, G, 320] contiguous uint8");
-  const int64_t M = x.size(0), K = x.size(1), NT = packed.size(0), G = packed.size(1), N = NT * kTile;
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
+              ((packed.dim() == 3 && packed.size(2) == kChunk) || packed.dim() == 2),
+              "packed must be [N/16, G, 320] (q4) or [N/16, tile bytes] (q4k) contiguous uint8");
+  const bool superblocks = packed.dim() == 2;
+  const int64_t M = x.size(0), K = x.size(1), NT = packed.size(0), N = NT * kTile;
+  const int64_t G = superblocks ? K / kGroup : packed.size(1);
   TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
+  TORCH_CHECK(!superblocks || packed.size(1) == tile_bytes_sb(G), "a q4k weight for ", K, " inputs has ",
+              tile_bytes_sb(G), " bytes per tile, got ", packed.size(1));
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat), "bias must be [N/16*16] fp32");
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;
   auto y = torch::empty(out_shape, x.options());
   if (M == 0) return y;
+  if (superblocks) {
+    q4k_linear_into(x, packed, bias, y);
+    return y;
+  }
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
   auto d = torch::empty({M, G}, x.options());
   auto isum = torch::empty({M, G}, x.options());
@@ -194,7 +407,7 @@ torch::Tensor q4_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor 
 
 #ifndef SPECDEC_STACK  // kernels/stack.cpp includes this file and defines its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_linear", &q4_linear, "4-bit weight x per-group int8 activation linear (batch invariant)");
+  m.def("q4_linear", &q4_linear, "4-bit weight x int8 activation linear, q4 or q4k layout (batch invariant)");
   m.def("uses_vnni", []() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"); });
   m.def("set_prefetch", [](int64_t bytes) { g_prefetch = bytes; }, "measurements: software prefetch distance in bytes");
   m.def("force_isa", [](int isa) { g_force_isa = isa; }, "tests: 0 = auto, 1 = AVX2, 2 = VNNI 256-bit, 3 = AVX-512");

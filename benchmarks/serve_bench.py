@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from specdec.bench.jobs import load_workloads
 from specdec.models import registry
+from specdec.runtime.linear import DEFAULT_DTYPE
 
 
 def start_server(args, method: str) -> tuple[subprocess.Popen, str]:
@@ -127,7 +128,7 @@ def report(runs: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=registry.DEFAULT_TARGET)
-    ap.add_argument("--dtype", default="q4")
+    ap.add_argument("--dtype", default=DEFAULT_DTYPE)
     ap.add_argument("--methods", default="none,default",
                     help="comma-separated: none, default (what `specdec serve` uses: hybrid over the head) or a proposer name")
     ap.add_argument("--clients", default="1,4,16")

@@ -150,7 +150,8 @@ def _block_run(model, fused: bool):
     return out, cache.k.clone(), cache.v.clone()
 
 
-@pytest.mark.parametrize("kind, dtype", [("qwen2", "float32"), ("llama", "float32"), ("qwen2", "int8"), ("qwen2", "q4")])
+@pytest.mark.parametrize("kind, dtype", [("qwen2", "float32"), ("llama", "float32"), ("qwen2", "int8"), ("qwen2", "q4"),
+                                         ("qwen2", "q4k")])
 def test_fused_block_gives_the_bits_of_the_op_by_op_block(kind, dtype):
     """Issue 11: the fused sublayer (kernels/attention.cpp attend_block) must not change a bit:
     logits of prefill, chain and tree blocks and every cache entry equal the op-by-op path's
@@ -158,7 +159,7 @@ def test_fused_block_gives_the_bits_of_the_op_by_op_block(kind, dtype):
     from specdec.runtime import q4
     from tiny_models import hf_tiny, ours
 
-    if dtype == "q4" and not q4.available():
+    if dtype in ("q4", "q4k") and not q4.available():
         pytest.skip("the 4-bit kernel needs an AVX2 CPU")
     model = ours(hf_tiny(kind), dtype)
     assert all(block.fused for block in model.blocks)  # the default for fp32 llama-family blocks

@@ -91,8 +91,9 @@ def test_a_damaged_cache_file_is_rebuilt_once_with_a_notice(home, tmp_path, caps
     assert "damaged" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("dtype", ["int8", pytest.param("q4", marks=pytest.mark.skipif(
-    not __import__("specdec.runtime.q4", fromlist=["q4"]).available(), reason="the 4-bit kernel needs AVX2"))])
+@pytest.mark.parametrize("dtype", ["int8"] + [pytest.param(d, marks=pytest.mark.skipif(
+    not __import__("specdec.runtime.q4", fromlist=["q4"]).available(), reason="the 4-bit kernel needs AVX2"))
+    for d in ("q4", "q4k")])
 def test_a_fresh_quantized_cache_is_read_back_silently(home, tmp_path, capsys, dtype):
     """The cache written by the first load is what later loads read (no rebuild, same logits)."""
     directory = _save(hf_tiny("qwen2"), tmp_path / "model")

@@ -171,3 +171,80 @@ def test_q4k_speculative_greedy_equals_plain():
     spec = generate(target, prompts, greedy, 30, proposer=DraftModelProposer(draft, 64), k=4)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert spec[0].metrics.acceptance.drafted > 0
+
+
+def _random_q4k_blocks(rows: int, superblocks: int, seed: int):
+    """Raw GGUF Q4_K blocks with random codes, sub-scales and mins, and finite fp16 d / dmin."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, superblocks, 144), dtype=np.uint8)
+    raw[..., 0:2] = np.float16(rng.uniform(1e-4, 1e-2, size=(rows, superblocks))).view(np.uint8).reshape(rows, superblocks, 2)
+    raw[..., 2:4] = np.float16(rng.uniform(1e-4, 1e-2, size=(rows, superblocks))).view(np.uint8).reshape(rows, superblocks, 2)
+    return raw.reshape(rows, superblocks * 144)
+
+
+def test_gguf_q4k_blocks_decode_to_the_files_weights_and_are_kept_exactly():
+    """A GGUF Q4_K tensor's blocks, decoded, dequantize to exactly what gguf-py dequantizes; the
+    q4k layer built with them represents exactly those weights (not a re-quantization of them),
+    and a grid that does not reproduce its rows is ignored."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    from specdec.models.gguf_q4k import decode_blocks
+
+    raw = _random_q4k_blocks(40, 2, seed=0)
+    weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).copy())  # [40, 512]
+    grid = decode_blocks(raw)
+    assert torch.equal(grid.dequantize(), weight)
+    assert int(grid.sc.max()) <= 63 and int(grid.m.max()) <= 63
+    extra = torch.randn(8, 512) * 0.01  # rows of another tensor type (re-quantized)
+    fused = torch.cat([weight, extra])
+    state = q4.quantize_q4k(fused, exact=[(40, grid), (8, None)])
+    assert torch.equal(q4.dequantize_q4k(state, 512)[:40], weight)
+    assert not torch.equal(q4.dequantize_q4k(q4.quantize_q4k(weight), 512), weight)  # without it: re-quantized
+    wrong = decode_blocks(_random_q4k_blocks(40, 2, seed=1))
+    ignored = q4.quantize_q4k(weight, exact=[(40, wrong)])
+    assert torch.equal(ignored["packed"], q4.quantize_q4k(weight)["packed"])
+    x = torch.randn(3, 512)
+    assert torch.equal(q4.Q4Linear(state)(x), q4.reference_linear_q4k(x, state))
+
+
+def test_q4k_model_keeps_the_exact_grids_it_is_given_for_each_part_of_a_fused_layer():
+    """The model hands each linear its parts (q, k, v of the fused qkv; gate, up; o; down; the
+    output layer) by parameter name and row count: weights that came from a 4-bit grid are kept as
+    exactly that grid — here every other part, so both the exact and the re-quantized rows of a
+    fused layer are exercised."""
+    from specdec.runtime.config import ModelConfig
+    from specdec.runtime.model import Transformer
+
+    hf = hf_tiny("llama", hidden=64)
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    grids = {}
+    for i, (name, w) in enumerate(sorted(state.items())):
+        if w.dim() == 2 and name.endswith("proj.weight") and i % 2 == 0:
+            grid = q4._decompose_q4k(w.float())
+            grid.sc = grid.sc.clamp(max=63)  # a 6-bit grid, as GGUF's; not what re-quantizing would find
+            state[name] = grid.dequantize()
+            grids[name] = grid
+
+    class Grids:
+        def get(self, name):
+            return grids.get(name)
+
+    model = Transformer(ModelConfig.from_hf(hf.config), state, "q4k", grids=Grids())
+    kept = 0
+    for layer, block in enumerate(model.blocks):
+        p = f"model.layers.{layer}."
+        parts = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
+                 "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
+        for attr, names in parts.items():
+            lin = getattr(block, attr)
+            got = q4.dequantize_q4k({"packed": lin.packed, "out_features": torch.tensor(lin.out_features)}, lin.in_features)
+            at = 0
+            for n in names:
+                rows = state[p + n + ".weight"].shape[0]
+                if p + n + ".weight" in grids:
+                    assert torch.equal(got[at : at + rows], state[p + n + ".weight"])
+                    kept += 1
+                at += rows
+    assert kept == len(grids) > 0

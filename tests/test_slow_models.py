@@ -38,7 +38,7 @@ def test_fp32_greedy_matches_transformers(name):
         assert len(ours) >= 8
 
 
-@pytest.mark.parametrize("dtype", ["int8", "q4"])
+@pytest.mark.parametrize("dtype", ["int8", "q4", "q4k"])
 def test_default_pair_speculative_greedy_equals_plain(dtype):
     gen = TextGenerator.load("target", "draft", dtype=dtype)
     prompts = [gen.encode(p, chat=True) for p in CODE_PROMPTS[:2]]
@@ -52,8 +52,8 @@ def test_default_pair_speculative_greedy_equals_plain(dtype):
 def test_default_target_speculates_with_its_shipped_head_and_stays_exact():
     """The default configuration (no proposer named: the shipped head, hybrid with n-gram lookup,
     k auto), the head alone at k = 4, and the tree proposers (batched: two prompts) give plain
-    decoding's greedy tokens on the q4 target."""
-    gen = TextGenerator.load("target", dtype="q4")
+    decoding's greedy tokens on the target in the default 4-bit runtime."""
+    gen = TextGenerator.load("target")
     assert gen.head_path is not None, "the default target ships a draft head"
     prompts = [gen.encode(p, chat=True) for p in CODE_PROMPTS[:2]]
     plain = gen.generate(prompts, GREEDY, 48, proposer="none")

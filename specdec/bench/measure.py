@@ -3,7 +3,7 @@
 
     python -m specdec.bench.measure runtime [--target NAME] [--dtype int8] [--tokens 64] [--runs 3]
         our plain decoding vs transformers ``generate()`` at one dtype, and forward-cost scaling
-    python -m specdec.bench.measure dtypes --dtypes int8,q4 [--runs 3]
+    python -m specdec.bench.measure dtypes --dtypes int8,q4,q4k [--runs 3]
         our dtypes side by side: speed, 1/5/9-token forwards, quality against fp32, and the
         prefill of a 500-token prompt next to transformers int8 and (when installed) llama.cpp
     python -m specdec.bench.measure step
@@ -221,13 +221,13 @@ def _after_prefix(model, tokens: int = 300):
 
 
 def step_profile() -> None:
-    """Where one decoding step's time goes, for the default target and draft (q4), after a
+    """Where one decoding step's time goes, for the default target and draft (default 4-bit dtype), after a
     300-token prefix, one forward over n = 1 and n = 5 new tokens (a plain step and a k = 4
     verification): wall time (median of 9), time inside the q4 kernel (timed around each call),
     torch ops and ``item()`` host syncs (torch.profiler, 5 steps)."""
     build = q4.kernel
     q4.kernel = lambda: _Timed(build())
-    gen = TextGenerator.load("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "q4", head=None)
+    gen = TextGenerator.load("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", DEFAULT_DTYPE, head=None)
     print("| model | tokens | wall ms | q4 GEMM ms (calls) | other ms | torch ops | host syncs |")
     print("|---|---|---|---|---|---|---|")
     for name, model in [("1.5B target", gen.target.model), ("0.5B draft", gen.draft.model)]:
@@ -291,7 +291,7 @@ def stack_vs_loop(rounds: int = 2, steps: int = 40) -> None:
 
 
 def _alternate(before: str, set_before, after: str, set_after, rounds: int, steps: int) -> None:
-    gen = TextGenerator.load(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, "q4", head=None)
+    gen = TextGenerator.load(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, DEFAULT_DTYPE, head=None)
     print(f"| round | model | tokens | {before} ms | {after} ms | saved |")
     print("|---|---|---|---|---|---|")
     for rnd in range(1, rounds + 1):
@@ -407,7 +407,7 @@ def main() -> None:
     rt.add_argument("--out", default=None, help="write JSON results here")
     dt = sub.add_parser("dtypes", help="our dtypes side by side: speed, scaling, quality vs fp32, prefill")
     dt.add_argument("--target", default=registry.DEFAULT_TARGET)
-    dt.add_argument("--dtypes", default="int8,q4")
+    dt.add_argument("--dtypes", default="int8,q4,q4k")
     dt.add_argument("--tokens", type=int, default=64)
     dt.add_argument("--runs", type=int, default=3)
     sub.add_parser("step", help="where one decoding step's time goes (default target and draft, q4)")

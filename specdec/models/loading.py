@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from specdec.models import cache, registry
+from specdec.models.gguf_q4k import Q4KTensors
 from specdec.models.calibration import cached_calibration
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.runtime.model import Transformer
 
 # Bump a format when its quantized layout or recipe changes (it is part of the cache key).
-QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2", "q4k": "q4k-sb256-u8s8-f16-tiles16-v1"}
+QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2", "q4k": "q4k-sb256-u8s8-f16-tiles16-gguf-exact-v1"}
 DTYPES = ("int8", "q4", "q4k", "bfloat16", "float32")
 DONE = "done"  # marker written last into a converted directory: its files and their sizes
 
@@ -187,8 +188,10 @@ def _content_key(directory: Path, *extra: str) -> str:
     return cache.fingerprint([f for f in directory.iterdir() if f.is_file() and f.name != DONE], *extra)
 
 
-def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "LazyWeights", tokenizer) -> Transformer:
-    """The int8 or 4-bit model of ``directory``, from its on-disk cache (built on first use)."""
+def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "LazyWeights", tokenizer,
+                     gguf: Path | None = None) -> Transformer:
+    """The int8 or 4-bit model of ``directory``, from its on-disk cache (built on first use).
+    ``gguf``: the file ``directory`` was converted from; q4k keeps its Q4_K tensors exactly."""
     from safetensors.torch import load_file, save_file
 
     path_key = hashlib.sha256(f"{directory.resolve()}:{dtype}".encode()).hexdigest()[:8]
@@ -198,7 +201,8 @@ def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "La
     def build(tmp: Path) -> None:
         cache.notice(f"quantizing {directory.name} to {dtype} once; cached at {target}")
         act_absmax = cached_calibration(directory, _content_key(directory), cfg, weights, tokenizer) if dtype == "int8" else None
-        model = Transformer(cfg, weights, dtype, act_absmax)
+        grids = Q4KTensors(gguf) if dtype == "q4k" and gguf is not None else None
+        model = Transformer(cfg, weights, dtype, act_absmax, grids=grids)
         save_file(model.quantized_state, str(tmp))
         model.quantized_state = {}
         built.append(model)
@@ -214,14 +218,14 @@ def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "La
     return cache.cached(target, build, read, f"the {dtype} cache")
 
 
-def _load_directory(directory: Path, dtype: str) -> tuple[Transformer, object]:
+def _load_directory(directory: Path, dtype: str, gguf: Path | None = None) -> tuple[Transformer, object]:
     from transformers import AutoConfig, AutoTokenizer
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(directory), local_files_only=True))
     weights = LazyWeights(directory)
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     if dtype in QUANT_FORMAT:
-        return _quantized_model(directory, dtype, cfg, weights, tokenizer), tokenizer
+        return _quantized_model(directory, dtype, cfg, weights, tokenizer, gguf), tokenizer
     return Transformer(cfg, weights, dtype), tokenizer
 
 
@@ -236,15 +240,15 @@ def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False
     start = time.perf_counter()
     directory, gguf = _resolve(name_or_path, install)
     try:
-        model, tokenizer = _load_directory(directory, dtype)
+        model, tokenizer = _load_directory(directory, dtype, gguf)
     except Exception as exc:  # anything unreadable in the directory
         if gguf is None:
             raise ModelLoadError(f"cannot load the model in {directory}: {cache.brief(exc)}") from exc
         cache.notice(f"the converted model in {directory} is damaged ({cache.brief(exc)}); converting again")
         with cache.build_lock(directory):
             cache.remove(directory)
-        directory, _ = _resolve(name_or_path, install=True)  # re-checks a registry GGUF's sha256
-        model, tokenizer = _load_directory(directory, dtype)
+        directory, gguf = _resolve(name_or_path, install=True)  # re-checks a registry GGUF's sha256
+        model, tokenizer = _load_directory(directory, dtype, gguf)
     spec = registry.resolve(name_or_path)
     name = spec.name if spec else str(name_or_path)
     release_freed_memory()

@@ -40,9 +40,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.in
           "q4k": torch.uint8}
 QUANTIZED = ("int8", "q4", "q4k")  # dtypes whose layers are built once and cached on disk
 FOUR_BIT = ("q4", "q4k")  # the two layouts of q4.Q4Linear (per-group scales; integer sub-scales)
-# The default everywhere (CLI, API, loading): the 4-bit path where this CPU runs its kernel — faster
-# than int8 and closer to the GGUF weights (docs/BENCHMARKS.md §7) — else int8.
-DEFAULT_DTYPE = "q4" if q4.available() else "int8"
+# The default everywhere (CLI, API, loading): 4 bits where this CPU runs the kernel — faster than
+# int8 and closer to the GGUF weights (docs/BENCHMARKS.md §7) — in the q4k layout where it has
+# AVX-512 VNNI (fewer bytes, a GGUF file's Q4_K tensors kept exactly: §22), else q4; else int8.
+DEFAULT_DTYPE = "q4k" if q4.superblocks_fast() else ("q4" if q4.available() else "int8")
 
 _ANCHOR_COLUMNS = 8  # +1, -1, then zeros: keeps K a multiple of 8 when it was one
 
@@ -135,12 +136,13 @@ class LinearBuilder:
     """
 
     def __init__(self, dtype: str, act_absmax: dict[str, torch.Tensor] | None = None,
-                 quantized: dict[str, torch.Tensor] | None = None) -> None:
+                 quantized: dict[str, torch.Tensor] | None = None, grids=None) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
         self.dtype = dtype
         self.act_absmax = act_absmax or {}
         self.quantized = quantized
+        self.grids = grids  # q4k: exact 4-bit grids by parameter name (.get(name) -> Q4KGrid | None), or None
         self.exported: dict[str, torch.Tensor] = {}
         self._to_pack: list[RowInt8Linear] = []
 
@@ -152,7 +154,9 @@ class LinearBuilder:
             list(pool.map(RowInt8Linear.pack, self._to_pack))
         self._to_pack.clear()
 
-    def __call__(self, name: str, weight_fn, bias_fn=lambda: None) -> torch.nn.Module:
+    def __call__(self, name: str, weight_fn, bias_fn=lambda: None, parts: tuple[tuple[str, int], ...] = ()) -> torch.nn.Module:
+        """``parts``: the parameter names and row counts the weight is made of, in order (a fused
+        layer's q, k, v), so that q4k can use a GGUF file's own 4-bit grids for them."""
         if self.dtype not in QUANTIZED:
             return FloatLinear(weight_fn(), bias_fn(), DTYPES[self.dtype])
         if self.quantized is not None:
@@ -162,8 +166,11 @@ class LinearBuilder:
                 raise KeyError(f"quantized cache has no layer {name!r}")
         else:
             if self.dtype in FOUR_BIT:
-                quantize = q4.quantize_q4 if self.dtype == "q4" else q4.quantize_q4k
-                state = quantize(weight_fn(), bias_fn())
+                if self.dtype == "q4":
+                    state = q4.quantize_q4(weight_fn(), bias_fn())
+                else:
+                    exact = [(rows, self.grids.get(part)) for part, rows in parts] if self.grids else None
+                    state = q4.quantize_q4k(weight_fn(), bias_fn(), exact)
             else:
                 state = quantize_int8(weight_fn(), bias_fn(), self.act_absmax.get(name))
             self.exported.update({f"{name}.{k}": v for k, v in state.items()})

@@ -72,10 +72,16 @@ class Block(torch.nn.Module):
 
         qkv = [f"self_attn.{p}_proj" for p in "qkv"]
         name = f"layers.{layer}."
-        self.qkv = linear(name + "qkv", lambda: cat(*(p + ".weight" for p in qkv)), lambda: cat(*(p + ".bias" for p in qkv)))
-        self.o = linear(name + "o", lambda: w("self_attn.o_proj.weight"), lambda: b("self_attn.o_proj.bias"))
-        self.gate_up = linear(name + "gate_up", lambda: cat("mlp.gate_proj.weight", "mlp.up_proj.weight"))
-        self.down = linear(name + "down", lambda: w("mlp.down_proj.weight"))
+        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
+        qkv_parts = tuple((prefix + f"self_attn.{p}_proj.weight", heads[p] * cfg.head_dim) for p in "qkv")
+        inter = cfg.intermediate_size
+        self.qkv = linear(name + "qkv", lambda: cat(*(p + ".weight" for p in qkv)), lambda: cat(*(p + ".bias" for p in qkv)),
+                          parts=qkv_parts)
+        self.o = linear(name + "o", lambda: w("self_attn.o_proj.weight"), lambda: b("self_attn.o_proj.bias"),
+                        parts=((prefix + "self_attn.o_proj.weight", cfg.hidden_size),))
+        self.gate_up = linear(name + "gate_up", lambda: cat("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                              parts=((prefix + "mlp.gate_proj.weight", inter), (prefix + "mlp.up_proj.weight", inter)))
+        self.down = linear(name + "down", lambda: w("mlp.down_proj.weight"), parts=((prefix + "mlp.down_proj.weight", cfg.hidden_size),))
         act = activation_dtype(dtype)
         norm_dtype = torch.float32 if cfg.is_gemma else act
         self.norms = {name: w(name + ".weight").to(norm_dtype) for name in self._norm_names()}
@@ -172,17 +178,20 @@ class Transformer(torch.nn.Module):
         dtype: str = "float32",
         act_absmax: dict[str, torch.Tensor] | None = None,
         quantized: dict[str, torch.Tensor] | None = None,
+        grids=None,
     ) -> None:
         """``weights``: a mapping of Hugging Face parameter names (read lazily where possible).
         ``act_absmax``: per-linear calibrated max |input| per channel (int8 outlier smoothing),
         keyed ``layers.{i}.{qkv,o,gate_up,down}`` and ``lm_head``; see :mod:`specdec.runtime.linear`.
-        ``quantized``: int8 layers from the on-disk cache (``self.quantized_state`` of an earlier build)."""
+        ``quantized``: int8 layers from the on-disk cache (``self.quantized_state`` of an earlier build).
+        ``grids``: q4k only, the exact 4-bit grids of the source file's tensors by parameter name
+        (:class:`specdec.models.gguf_q4k.Q4KTensors`), used where they reproduce the weights."""
         super().__init__()
         if cfg.head_dim % attention.LANES:
             raise ValueError(f"head_dim {cfg.head_dim} is not a multiple of {attention.LANES}, which the attention kernel needs")
         attention.kernel()  # built now (once per machine), so their compile time is load time, not a request's
         elementwise.kernel()
-        linear = LinearBuilder(dtype, act_absmax, quantized)
+        linear = LinearBuilder(dtype, act_absmax, quantized, grids)
         self.cfg, self.dtype_name = cfg, dtype
         self.act_dtype = activation_dtype(dtype)
         self.embed = weights["model.embed_tokens.weight"].to(self.act_dtype)  # [V, E]
@@ -193,7 +202,7 @@ class Transformer(torch.nn.Module):
         norm_dtype = torch.float32 if cfg.is_gemma else self.act_dtype
         self.final_norm = weights["model.norm.weight"].to(norm_dtype)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in weights else "lm_head.weight"
-        self.lm_head = linear("lm_head", lambda: weights[head])
+        self.lm_head = linear("lm_head", lambda: weights[head], parts=((head, cfg.vocab_size),))
         self.quantized_state = linear.exported  # int8 tensors built from fp32 here (empty otherwise)
         linear.pack_all()
         self.stack = self._build_stack(self.blocks)

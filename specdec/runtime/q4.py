@@ -28,6 +28,8 @@ plain torch, and the two are tested to be bit-identical.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdec.runtime import native
@@ -43,6 +45,19 @@ _FLAGS = ("-mavx2", "-mfma", "-mf16c")
 def available() -> bool:
     """Whether this CPU can run the kernel (AVX2 or better)."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def superblocks_fast() -> bool:
+    """Whether this CPU runs the q4k layout with its vector loop (AVX-512 with VNNI); elsewhere
+    q4k falls back to a plain C++ loop (correct, slow) and q4 is the faster 4-bit layout."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= set(flags)
 
 
 def supported(in_features: int) -> bool:
@@ -150,10 +165,83 @@ def _superblocks(g: int) -> list[tuple[int, int]]:
     return [(s, min(SUPER, g - s)) for s in range(0, g, SUPER)]
 
 
-def quantize_q4k(weight: torch.Tensor, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+@dataclass
+class Q4KGrid:
+    """Rows of a weight in the q4k decomposition ``w[n, 32g + j] = d[n, g // 8] * sc[n, g] *
+    codes[n, g, j] - dmin[n, g // 8] * m[n, g]``: codes ``[N, G, 32]`` (0..15), ``sc`` ``[N, G]``
+    (0..255), ``m`` ``[N, G]`` (-127..127), ``d`` and ``dmin`` ``[N, S]`` fp16. GGUF's Q4_K blocks
+    are exactly such rows (6-bit ``sc`` and ``m``), see :mod:`specdec.models.gguf_q4k`."""
+
+    codes: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        """``[N, K]`` fp32, as GGUF dequantizes Q4_K: ``(d * sc) * q - dmin * m``."""
+        s_of_g = torch.arange(self.sc.shape[1]) // SUPER
+        step = self.d.float()[:, s_of_g] * self.sc.float()  # [N, G]
+        offset = self.dmin.float()[:, s_of_g] * self.m.float()
+        w = step.unsqueeze(-1) * self.codes.float() - offset.unsqueeze(-1)
+        return w.reshape(w.shape[0], -1)
+
+
+def _decompose_q4k(w: torch.Tensor) -> Q4KGrid:
+    """Our own q4k decomposition of ``w`` ``[N, K]`` (see :func:`quantize_q4k`)."""
+    n, k = w.shape
+    g = k // GROUP
+    groups = w.view(n, g, GROUP)  # [N, G, 32]
+    lo, hi = groups.amin(-1), groups.amax(-1)  # [N, G]
+    scale, minimum = (hi - lo) / 15.0, -lo
+    codes, scs, ms, ds, dmins = [], [], [], [], []
+    for g0, ng in _superblocks(g):
+        s_g, m_g = scale[:, g0 : g0 + ng], minimum[:, g0 : g0 + ng]  # [N, ng]
+        d = (s_g.amax(-1) / 255.0).half()  # [N]
+        dmin = (m_g.abs().amax(-1) / 127.0).half()
+        d32, dm32 = d.float().unsqueeze(-1), dmin.float().unsqueeze(-1)
+        sc = torch.where(d32 > 0, torch.ceil(s_g / torch.where(d32 > 0, d32, torch.ones_like(d32))), torch.zeros_like(s_g))
+        m = torch.where(dm32 > 0, torch.round(m_g / torch.where(dm32 > 0, dm32, torch.ones_like(dm32))), torch.zeros_like(m_g))
+        sc, m = sc.clamp_(0, 255), m.clamp_(-127, 127)
+        step, offset = (d32 * sc).unsqueeze(-1), (dm32 * m).unsqueeze(-1)  # [N, ng, 1]
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        q = torch.where(step > 0, torch.round((groups[:, g0 : g0 + ng] + offset) / safe), torch.zeros_like(step))
+        codes.append(q.clamp_(0, 15).to(torch.uint8))
+        scs.append(sc.long())
+        ms.append(m.long())
+        ds.append(d)
+        dmins.append(dmin)
+    return Q4KGrid(torch.cat(codes, 1), torch.cat(scs, 1), torch.cat(ms, 1), torch.stack(ds, 1), torch.stack(dmins, 1))
+
+
+def _pack_q4k(grid: Q4KGrid) -> torch.Tensor:
+    """A grid of N16 rows (a multiple of 16) -> the kernel's bytes ``[N16/16, tile bytes]``."""
+    n16, g = grid.sc.shape
+    nt = n16 // TILE
+    pieces = []
+    for s, (g0, ng) in enumerate(_superblocks(g)):
+        q = grid.codes[:, g0 : g0 + ng].reshape(nt, TILE, ng, GROUP).transpose(1, 2)  # [NT, ng, 16, 32]
+        m = grid.m[:, g0 : g0 + ng]
+        mp = torch.cat([m, m.new_zeros(n16, ng % 2)], 1) if ng % 2 else m  # [N16, 2 * pairs]
+        mp = mp.to(torch.int8).view(nt, TILE, -1, 2).transpose(1, 2).contiguous().view(torch.uint8)  # [NT, pairs, 16, 2]
+        pieces += [
+            _pack(q).reshape(nt, -1),
+            grid.sc[:, g0 : g0 + ng].to(torch.uint8).view(nt, TILE, ng).transpose(1, 2).reshape(nt, -1),
+            mp.reshape(nt, -1),
+            grid.d[:, s].contiguous().view(nt, TILE).view(torch.uint8),
+            grid.dmin[:, s].contiguous().view(nt, TILE).view(torch.uint8),
+        ]
+    return torch.cat(pieces, 1).contiguous()
+
+
+def quantize_q4k(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 exact: list[tuple[int, Q4KGrid | None]] | None = None) -> dict[str, torch.Tensor]:
     """``weight`` ``[N, K]`` (K a multiple of 32) -> the tensors of a :class:`Q4Linear` in the
     superblock (``q4k``) layout: ``packed`` ``[N16/16, tile bytes]`` uint8, ``out_features``,
-    optionally ``bias``.
+    ``in_features``, optionally ``bias``.
 
     The format of GGUF's Q4_K, with 8-bit sub-scales: in each superblock of up to 8 groups of 32
     inputs, ``w = d * sc[g] * q - dmin * m[g]`` with 4-bit codes ``q``, ``sc[g]`` in 0..255,
@@ -164,6 +252,11 @@ def quantize_q4k(weight: torch.Tensor, bias: torch.Tensor | None = None) -> dict
     (d * sc))``. Layout per tile and superblock: the codes of its groups (:func:`_pack`), ``sc``
     ``[ng, 16]``, ``m`` as pairs of groups ``[ceil(ng/2), 16, 2]`` (zero-padded), ``d`` and ``dmin``
     ``[16]`` fp16 — 2,368 bytes for 4,096 weights (4.625 bits each, against 5 for ``q4``).
+
+    ``exact``: ``(rows, grid or None)`` for consecutive row blocks of ``weight`` (e.g. q, k, v of a
+    fused layer): the decomposition a block came from (GGUF Q4_K blocks). A grid is taken as it is
+    when it reproduces its rows bit for bit (the weights are then exactly the file's), else the
+    block is re-quantized like the rest.
     """
     n, k = weight.shape
     if not supported(k):
@@ -172,36 +265,18 @@ def quantize_q4k(weight: torch.Tensor, bias: torch.Tensor | None = None) -> dict
     n16 = -(-n // TILE) * TILE
     if n16 != n:
         w = torch.cat([w, w.new_zeros(n16 - n, k)])
-    g = k // GROUP
-    nt = n16 // TILE
-    groups = w.view(n16, g, GROUP)  # [N16, G, 32]
-    lo, hi = groups.amin(-1), groups.amax(-1)  # [N16, G]
-    scale, minimum = (hi - lo) / 15.0, -lo
-    pieces = []
-    for g0, ng in _superblocks(g):
-        s_g, m_g = scale[:, g0 : g0 + ng], minimum[:, g0 : g0 + ng]  # [N16, ng]
-        d = (s_g.amax(-1) / 255.0).half()  # [N16]
-        dmin = (m_g.abs().amax(-1) / 127.0).half()
-        d32, dm32 = d.float().unsqueeze(-1), dmin.float().unsqueeze(-1)
-        sc = torch.where(d32 > 0, torch.ceil(s_g / torch.where(d32 > 0, d32, torch.ones_like(d32))), torch.zeros_like(s_g))
-        sc = sc.clamp_(0, 255)
-        m = torch.where(dm32 > 0, torch.round(m_g / torch.where(dm32 > 0, dm32, torch.ones_like(dm32))), torch.zeros_like(m_g))
-        m = m.clamp_(-127, 127)
-        step = (d32 * sc).unsqueeze(-1)  # [N16, ng, 1]
-        offset = (dm32 * m).unsqueeze(-1)
-        safe = torch.where(step > 0, step, torch.ones_like(step))
-        q = torch.where(step > 0, torch.round((groups[:, g0 : g0 + ng] + offset) / safe), torch.zeros_like(step))
-        q = q.clamp_(0, 15).to(torch.uint8).view(nt, TILE, ng, GROUP).transpose(1, 2)  # [NT, ng, 16, 32]
-        mp = torch.cat([m, m.new_zeros(n16, ng % 2)], 1) if ng % 2 else m  # [N16, 2 * pairs]
-        mp = mp.to(torch.int8).view(nt, TILE, -1, 2).transpose(1, 2).contiguous().view(torch.uint8)  # [NT, pairs, 16, 2]
-        pieces += [
-            _pack(q).reshape(nt, -1),
-            sc.to(torch.uint8).view(nt, TILE, ng).transpose(1, 2).reshape(nt, -1),
-            mp.reshape(nt, -1),
-            d.view(nt, TILE).contiguous().view(torch.uint8),
-            dmin.view(nt, TILE).contiguous().view(torch.uint8),
-        ]
-    state = {"packed": torch.cat(pieces, 1).contiguous(), "out_features": torch.tensor(n), "in_features": torch.tensor(k)}
+    grid = _decompose_q4k(w)
+    at = 0
+    for rows, part in exact or ():
+        if part is not None and part.rows() == rows and at + rows <= n and part.sc.shape[1] == k // GROUP \
+                and torch.equal(part.dequantize(), w[at : at + rows]):
+            grid.codes[at : at + rows] = part.codes
+            grid.sc[at : at + rows] = part.sc
+            grid.m[at : at + rows] = part.m
+            grid.d[at : at + rows] = part.d
+            grid.dmin[at : at + rows] = part.dmin
+        at += rows
+    state = {"packed": _pack_q4k(grid), "out_features": torch.tensor(n), "in_features": torch.tensor(k)}
     if bias is not None:
         state["bias"] = torch.cat([bias.float(), bias.new_zeros(n16 - n).float()])
     return state

@@ -1,0 +1,70 @@
+"""GGUF Q4_K tensors as q4k grids: the 4-bit weights of a GGUF file, kept exactly as stored.
+
+A Q4_K block holds 256 weights of one row: fp16 ``d`` and ``dmin``, eight 6-bit sub-scales
+``sc`` and mins ``m`` (12 packed bytes), and 128 bytes of 4-bit codes, with
+``w = d * sc[j] * q - dmin * m[j]`` for the 32 weights of sub-block ``j``. That is the q4k layout's
+decomposition (:class:`specdec.runtime.q4.Q4KGrid`), so the q4k runtime can use the file's own
+codes and scales instead of re-quantizing the dequantized weights — the weights the runtime
+multiplies are then exactly the ones llama.cpp multiplies. Other tensor types (Q6_K, Q8_0, ...)
+are re-quantized as before.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.runtime.q4 import Q4KGrid
+
+# Hugging Face parameter name -> GGUF tensor name, for the llama-family blocks specdec runs.
+_BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down"}
+_TOP = {"lm_head.weight": "output.weight", "model.embed_tokens.weight": "token_embd.weight"}
+_BLOCK_BYTES = 144  # 2 + 2 + 12 + 128
+
+
+def gguf_name(hf_name: str) -> str | None:
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", hf_name)
+    if match and match.group(2) in _BLOCK:
+        return f"blk.{match.group(1)}.{_BLOCK[match.group(2)]}.weight"
+    return None
+
+
+def decode_blocks(raw: np.ndarray) -> Q4KGrid:
+    """``raw`` ``[N, K / 256 * 144]`` uint8 (N rows of Q4_K blocks) -> a grid of N rows."""
+    n = raw.shape[0]
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(n, -1, _BLOCK_BYTES)  # [N, S, 144]
+    s = blocks.shape[1]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(n, s)
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).view(n, s)
+    scales = blocks[..., 4:16].long()  # [N, S, 12]
+    lo6, mid6, high = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    # sub-blocks 0-3: 6 low bits of bytes 0-3 (sc) and 4-7 (m); 4-7: a nibble of bytes 8-11 plus
+    # the top 2 bits of bytes 0-3 (sc) and 4-7 (m)
+    sc = torch.cat([lo6 & 0x3F, (high & 0x0F) | ((lo6 >> 6) << 4)], -1)  # [N, S, 8]
+    m = torch.cat([mid6 & 0x3F, (high >> 4) | ((mid6 >> 6) << 4)], -1)
+    qs = blocks[..., 16:].view(n, s, 4, 1, 32)  # 4 chunks of 32 bytes: low nibbles sub-block 2c, high 2c + 1
+    codes = torch.cat([qs & 0x0F, qs >> 4], 3).reshape(n, s * 8, 32)  # [N, G, 32]
+    return Q4KGrid(codes, sc.reshape(n, s * 8), m.reshape(n, s * 8), d, dmin)
+
+
+class Q4KTensors:
+    """The Q4_K tensors of one GGUF file by Hugging Face parameter name (read on request,
+    memory-mapped); :meth:`get` is None for a tensor of another type or an unknown name."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGMLQuantizationType, GGUFReader
+
+        self._tensors = {t.name: t for t in GGUFReader(str(path)).tensors
+                         if t.tensor_type == GGMLQuantizationType.Q4_K}
+
+    def get(self, hf_name: str) -> Q4KGrid | None:
+        name = gguf_name(hf_name)
+        tensor = self._tensors.get(name) if name else None
+        return None if tensor is None else decode_blocks(np.asarray(tensor.data))

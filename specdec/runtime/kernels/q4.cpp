@@ -199,6 +199,48 @@ void quantize_rows_sb(const float* x, int64_t M, int64_t K, int8_t* xq, float* x
   });
 }
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
+// quantize_rows_sb with 16 lanes per instruction: the same per-element operations (x * id, round to
+// nearest even, clamp, convert), |x|'s maximum (exact in any order; a NaN is skipped as std::max
+// skips it: max_ps returns its second operand when one is NaN) and exact integer sums — the same
+// codes, scales and sums (tested through the kernel's reference).
+void quantize_rows_sb_avx512(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, int16_t* xs) {
+  const int64_t G = K / kGroup, S = (G + kSuper - 1) / kSuper;
+  at::parallel_for(0, M * S, 16, [&](int64_t begin, int64_t end) {
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512i sign = _mm512_set1_epi32(0x7FFFFFFF);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / S, s = i % S, g0 = s * kSuper, ng = std::min(kSuper, G - g0);
+      const float* src = x + m * K + g0 * kGroup;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t j = 0; j < ng * kGroup; j += 16)
+        amax = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(src + j)), sign)), amax);
+      const float dd = _mm512_reduce_max_ps(amax) / 127.0f;
+      const float idf = dd > 0.0f ? 1.0f / dd : 0.0f;
+      const __m512 id = _mm512_set1_ps(idf);
+      int8_t* dst = xq + m * K + g0 * kGroup;
+      int16_t* sums = xs + i * kSuper;
+      for (int64_t g = 0; g < kSuper; ++g) {
+        if (g >= ng) {
+          sums[g] = 0;
+          continue;
+        }
+        __m512i c[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(src + g * kGroup + 16 * h), id),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          c[h] = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + g * kGroup + 16 * h), _mm512_cvtepi32_epi8(c[h]));
+        }
+        sums[g] = static_cast<int16_t>(_mm512_reduce_add_epi32(_mm512_add_epi32(c[0], c[1])));
+      }
+      xd[i] = dd;
+    }
+  });
+}
+#pragma GCC pop_options
+
 // Plain C++ (any CPU; tests): the same integers and the same float operations, one output at a time.
 static void q4k_tiles_portable(int64_t tile_begin, int64_t tile_end, int64_t M, int64_t G, int64_t N,
                                const uint8_t* P, const int8_t* XQ, const float* XD, const int16_t* XS,
@@ -355,17 +397,18 @@ void q4k_linear_into(const torch::Tensor& x, const torch::Tensor& packed, const 
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
   auto xd = torch::empty({M, S}, x.options());
   auto xs = torch::empty({M, S, kSuper}, x.options().dtype(torch::kShort));
-  quantize_rows_sb(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int16_t>());
+  static const bool has_avx512 = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                                 __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                 __builtin_cpu_supports("avx512dq");
+  const bool wide = has_avx512 && (g_force_isa == 0 || g_force_isa == 3);
+  (wide ? quantize_rows_sb_avx512 : quantize_rows_sb)(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(),
+                                                      xd.data_ptr<float>(), xs.data_ptr<int16_t>());
   const uint8_t* P = packed.data_ptr<uint8_t>();
   const int8_t* XQ = xq.data_ptr<int8_t>();
   const float* XD = xd.data_ptr<float>();
   const int16_t* XS = xs.data_ptr<int16_t>();
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
-  static const bool has_avx512 = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                                 __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                 __builtin_cpu_supports("avx512dq");
-  const bool wide = has_avx512 && (g_force_isa == 0 || g_force_isa == 3);
   at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
     if (wide)
       q4k_tiles_avx512(begin, end, M, G, N, P, XQ, XD, XS, B, Y);

@@ -293,7 +293,7 @@ static inline __m512i dpwssd_bcst(__m512i acc, __m512i w, const int32_t* x) {
 
 template <int R>
 static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, const float* XD,
-                                 const int16_t* XS, const float* bias, float* Y, int64_t N) {
+                                 const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
   const int64_t S = (G + kSuper - 1) / kSuper;
   const __m512i mask = _mm512_set1_epi8(0x0F);
   alignas(64) float accb[R * kTile];
@@ -308,7 +308,8 @@ static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const i
     for (int i = 0; i < R; ++i) isc[i] = _mm512_setzero_si512();
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t* chunk = p + g * 256;
-      for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
+      if (prefetch)  // the first pass over a tile streams it from memory; later passes read it from L1
+        for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
       __m512i wv[8];
       for (int r = 0; r < 4; ++r) {
         const __m512i v = _mm512_loadu_si512(chunk + 64 * r);
@@ -365,10 +366,10 @@ static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const i
 
 template <int R>
 static void q4k_rows_dispatch(int rows, const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, const float* XD,
-                              const int16_t* XS, const float* bias, float* Y, int64_t N) {
+                              const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
   if constexpr (R > 0) {
-    if (rows == R) return q4k_tile_rows_avx512<R>(p, G, K, XQ, XD, XS, bias, Y, N);
-    return q4k_rows_dispatch<R - 1>(rows, p, G, K, XQ, XD, XS, bias, Y, N);
+    if (rows == R) return q4k_tile_rows_avx512<R>(p, G, K, XQ, XD, XS, bias, Y, N, prefetch);
+    return q4k_rows_dispatch<R - 1>(rows, p, G, K, XQ, XD, XS, bias, Y, N, prefetch);
   }
 }
 
@@ -385,7 +386,8 @@ static void q4k_tiles_avx512(int64_t tile_begin, int64_t tile_end, int64_t M, in
     for (int64_t m0 = 0, rows = 0; m0 < M; m0 += rows) {
       rows = M - m0 <= kMaxRowsSb ? M - m0 : kRowsSb;
       q4k_rows_dispatch<kMaxRowsSb>(static_cast<int>(rows), P + tile * TB, G, K, XQ + m0 * K, XD + m0 * S,
-                                    XS + m0 * S * kSuper, B ? B + tile * kTile : nullptr, Y + m0 * N + tile * kTile, N);
+                                    XS + m0 * S * kSuper, B ? B + tile * kTile : nullptr, Y + m0 * N + tile * kTile, N,
+                                    m0 == 0);
     }
 }
 #pragma GCC pop_options

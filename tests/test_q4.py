@@ -28,10 +28,12 @@ def test_kernel_is_bit_identical_to_the_reference(n, k, rows, bias):
     assert torch.equal(got, q4.reference_linear(x, state))
 
 
-def test_kernel_rows_are_independent_of_the_call():
+@pytest.mark.parametrize("quantize, k", [(q4.quantize_q4, 128), (q4.quantize_q4k, 640)])
+def test_kernel_rows_are_independent_of_the_call(quantize, k):
+    """Both layouts: a row's output is the same alone, in any block, and with a 100x larger row."""
     g = torch.Generator().manual_seed(0)
-    layer = q4.Q4Linear(q4.quantize_q4(torch.randn(48, 128, generator=g)))
-    x = torch.randn(20, 128, generator=g)
+    layer = q4.Q4Linear(quantize(torch.randn(48, k, generator=g)))
+    x = torch.randn(20, k, generator=g)
     x[7] *= 100
     together = layer(x)
     for i in range(20):
@@ -57,14 +59,16 @@ def test_quantization_error_is_bounded_by_half_a_step():
     assert (err <= step * 0.5 + 1e-3 * w.abs().max()).all()  # + fp16 rounding of scale and min
 
 
-def test_unsupported_width_is_a_clear_error():
+@pytest.mark.parametrize("quantize", [q4.quantize_q4, q4.quantize_q4k])
+def test_unsupported_width_is_a_clear_error(quantize):
     with pytest.raises(ValueError, match="divisible by 32"):
-        q4.quantize_q4(torch.randn(8, 48))
+        quantize(torch.randn(8, 48))
 
 
-def test_q4_speculative_greedy_equals_plain():
-    target = ours(hf_tiny("qwen2", seed=0), "q4")
-    draft = ours(hf_tiny("qwen2", seed=0, layers=1), "q4")
+@pytest.mark.parametrize("dtype", ["q4", "q4k"])
+def test_q4_speculative_greedy_equals_plain(dtype):
+    target = ours(hf_tiny("qwen2", seed=0), dtype)
+    draft = ours(hf_tiny("qwen2", seed=0, layers=1), dtype)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13]]
     greedy = SamplingParams(temperature=0.0)
     plain = generate(target, prompts, greedy, 30)
@@ -133,17 +137,6 @@ def test_q4k_reference_catches_a_wrong_rescaling_order():
     assert not torch.equal(wrong, right)  # ...but not the same bits
 
 
-def test_q4k_rows_are_independent_of_the_call():
-    g = torch.Generator().manual_seed(0)
-    layer = q4.Q4Linear(q4.quantize_q4k(torch.randn(48, 640, generator=g)))
-    x = torch.randn(20, 640, generator=g)
-    x[7] *= 100
-    together = layer(x)
-    for i in range(20):
-        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
-    assert torch.equal(layer(x[3:8]), together[3:8])
-
-
 def test_q4k_error_is_bounded_by_its_step():
     """Each weight is within half a quantization step (d * sc) plus half the min's step (dmin / 2)
     of its value: ``sc`` is rounded up, so a group's range always fits its 16 levels."""
@@ -160,17 +153,6 @@ def test_q4k_error_is_bounded_by_its_step():
 def test_q4k_uses_fewer_bytes_than_q4():
     w = torch.randn(64, 1536, generator=torch.Generator().manual_seed(4))
     assert q4.quantize_q4k(w)["packed"].numel() / q4.quantize_q4(w)["packed"].numel() == 2368 / 2560
-
-
-def test_q4k_speculative_greedy_equals_plain():
-    target = ours(hf_tiny("qwen2", seed=0), "q4k")
-    draft = ours(hf_tiny("qwen2", seed=0, layers=1), "q4k")
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13]]
-    greedy = SamplingParams(temperature=0.0)
-    plain = generate(target, prompts, greedy, 30)
-    spec = generate(target, prompts, greedy, 30, proposer=DraftModelProposer(draft, 64), k=4)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    assert spec[0].metrics.acceptance.drafted > 0
 
 
 def _random_q4k_blocks(rows: int, superblocks: int, seed: int):

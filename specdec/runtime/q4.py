@@ -64,6 +64,17 @@ def supported(in_features: int) -> bool:
     return in_features % GROUP == 0
 
 
+def _padded_rows(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` as fp32 with zero rows appended up to a multiple of 16 (whole tiles);
+    a clear error where K is not a multiple of 32."""
+    n, k = weight.shape
+    if not supported(k):
+        raise ValueError(f"4-bit layers need in_features divisible by {GROUP}, got {k}")
+    w = weight.float()
+    n16 = -(-n // TILE) * TILE
+    return torch.cat([w, w.new_zeros(n16 - n, k)]) if n16 != n else w
+
+
 def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``weight`` ``[N, K]`` (K a multiple of 32) -> the tensors of a :class:`Q4Linear`:
     ``packed`` ``[N16/16, G, 320]`` uint8 (see the module docstring and :func:`_pack`),
@@ -73,13 +84,9 @@ def quantize_q4(weight: torch.Tensor, bias: torch.Tensor | None = None) -> dict[
     Asymmetric per group: ``scale = (max - min) / 15``, ``min = -min(w)``, both rounded to fp16
     first; the codes are then chosen for the rounded values, ``q = round((w + min) / scale)``.
     """
+    w = _padded_rows(weight)  # [N16, K]
     n, k = weight.shape
-    if not supported(k):
-        raise ValueError(f"4-bit layers need in_features divisible by {GROUP}, got {k}")
-    w = weight.float()
-    n16 = -(-n // TILE) * TILE
-    if n16 != n:
-        w = torch.cat([w, w.new_zeros(n16 - n, k)])
+    n16 = w.shape[0]
     g = k // GROUP
     groups = w.view(n16, g, GROUP)  # [N16, G, 32]
     lo, hi = groups.amin(-1), groups.amax(-1)  # [N16, G]
@@ -258,13 +265,9 @@ def quantize_q4k(weight: torch.Tensor, bias: torch.Tensor | None = None,
     when it reproduces its rows bit for bit (the weights are then exactly the file's), else the
     block is re-quantized like the rest.
     """
+    w = _padded_rows(weight)  # [N16, K]
     n, k = weight.shape
-    if not supported(k):
-        raise ValueError(f"4-bit layers need in_features divisible by {GROUP}, got {k}")
-    w = weight.float()
-    n16 = -(-n // TILE) * TILE
-    if n16 != n:
-        w = torch.cat([w, w.new_zeros(n16 - n, k)])
+    n16 = w.shape[0]
     grid = _decompose_q4k(w)
     at = 0
     for rows, part in exact or ():

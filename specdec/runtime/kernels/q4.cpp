@@ -83,36 +83,46 @@ static inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_t* x) {
   return acc;
 }
 
+// A chunk's 256 bytes of codes as 8 registers of 4-bit values (u8), in the order of tile_codes.
+static inline void unpack_codes(const uint8_t* codes, __m512i wv[8]) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < 4; ++r) {
+    const __m512i v = _mm512_loadu_si512(codes + 64 * r);
+    wv[2 * r] = _mm512_and_si512(v, mask);
+    wv[2 * r + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  }
+}
+
+// The 16 outputs' exact integer dots with one row's 32 int8 activations x4: 8 vpdpbusd in two
+// independent chains (their order does not matter: integers), then one sum.
+static inline __m512i group_dots(const __m512i wv[8], const int32_t* x4) {
+  __m512i i0 = dpbusd_bcst(_mm512_setzero_si512(), wv[0], x4 + 0);
+  __m512i i1 = dpbusd_bcst(_mm512_setzero_si512(), wv[1], x4 + 4);
+  i0 = dpbusd_bcst(i0, wv[2], x4 + 1);
+  i1 = dpbusd_bcst(i1, wv[3], x4 + 5);
+  i0 = dpbusd_bcst(i0, wv[4], x4 + 2);
+  i1 = dpbusd_bcst(i1, wv[5], x4 + 6);
+  i0 = dpbusd_bcst(i0, wv[6], x4 + 3);
+  i1 = dpbusd_bcst(i1, wv[7], x4 + 7);
+  return _mm512_add_epi32(i0, i1);
+}
+
 template <int R>
 static void q4_tile_rows_avx512(const uint8_t* chunk, int64_t G, int64_t K, const int8_t* XQ, const float* D,
                                 const float* IS, const float* bias, float* Y, int64_t N) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, chunk += kChunk) {
     for (int64_t line = 0; line < kChunk; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
     __m512i wv[8];
-    for (int r = 0; r < 4; ++r) {
-      const __m512i v = _mm512_loadu_si512(chunk + 64 * r);
-      wv[2 * r] = _mm512_and_si512(v, mask);
-      wv[2 * r + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-    }
+    unpack_codes(chunk, wv);
     const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 256)));
     const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 288)));
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + g * kGroup);
-      // two independent integer chains (exact: their order does not matter), then one sum
-      __m512i i0 = dpbusd_bcst(_mm512_setzero_si512(), wv[0], x4 + 0);
-      __m512i i1 = dpbusd_bcst(_mm512_setzero_si512(), wv[1], x4 + 4);
-      i0 = dpbusd_bcst(i0, wv[2], x4 + 1);
-      i1 = dpbusd_bcst(i1, wv[3], x4 + 5);
-      i0 = dpbusd_bcst(i0, wv[4], x4 + 2);
-      i1 = dpbusd_bcst(i1, wv[5], x4 + 6);
-      i0 = dpbusd_bcst(i0, wv[6], x4 + 3);
-      i1 = dpbusd_bcst(i1, wv[7], x4 + 7);
-      const __m512 t = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)));
+      const __m512 t = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(group_dots(wv, x4)));
       const __m512 u = _mm512_mul_ps(mn, _mm512_set1_ps(IS[i * G + g]));
       acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_set1_ps(D[i * G + g]), _mm512_sub_ps(t, u)));
     }
@@ -295,7 +305,6 @@ template <int R>
 static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, const float* XD,
                                  const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
   const int64_t S = (G + kSuper - 1) / kSuper;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   alignas(64) float accb[R * kTile];
   for (int i = 0; i < R * kTile; ++i) accb[i] = 0.0f;
   for (int64_t s = 0; s < S; ++s) {
@@ -311,24 +320,12 @@ static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const i
       if (prefetch)  // the first pass over a tile streams it from memory; later passes read it from L1
         for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
       __m512i wv[8];
-      for (int r = 0; r < 4; ++r) {
-        const __m512i v = _mm512_loadu_si512(chunk + 64 * r);
-        wv[2 * r] = _mm512_and_si512(v, mask);
-        wv[2 * r + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-      }
+      unpack_codes(chunk, wv);
       const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kTile * g)));
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + (s * kSuper + g) * kGroup);
-        __m512i i0 = dpbusd_bcst(_mm512_setzero_si512(), wv[0], x4 + 0);
-        __m512i i1 = dpbusd_bcst(_mm512_setzero_si512(), wv[1], x4 + 4);
-        i0 = dpbusd_bcst(i0, wv[2], x4 + 1);
-        i1 = dpbusd_bcst(i1, wv[3], x4 + 5);
-        i0 = dpbusd_bcst(i0, wv[4], x4 + 2);
-        i1 = dpbusd_bcst(i1, wv[5], x4 + 6);
-        i0 = dpbusd_bcst(i0, wv[6], x4 + 3);
-        i1 = dpbusd_bcst(i1, wv[7], x4 + 7);
-        isc[i] = _mm512_add_epi32(isc[i], _mm512_mullo_epi32(_mm512_add_epi32(i0, i1), scv));
+        isc[i] = _mm512_add_epi32(isc[i], _mm512_mullo_epi32(group_dots(wv, x4), scv));
       }
     }
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd)));

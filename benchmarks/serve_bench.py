@@ -9,8 +9,15 @@ throughput = all completion tokens / wall time of the level. Each configuration 
 `specdec serve` process on loopback, as a user would start it (the clients, in this process,
 share the machine's 2 cores with it); where the engine's time went comes from its /metrics.
 
-Every (method, clients) result is appended to ``runs.jsonl`` in ``--out`` as soon as it is
-measured and skipped on a rerun (resumable); ``report.md`` is written at the end.
+All servers are started first and stay up; then ``--rounds`` rounds run every (clients,
+method) level, the methods in alternating order from round to round. This machine's memory
+bandwidth drifts on a scale of minutes (a plain step takes ~14 ms in some minutes and ~21 ms in
+others), so servers measured one after the other compare states, not methods; interleaved
+levels a few seconds apart compare methods. The report gives each level's median over rounds
+and the median of the per-round ratios to plain decoding.
+
+Every (round, method, clients) result is appended to ``runs.jsonl`` in ``--out`` as soon as it
+is measured and skipped on a rerun (resumable); ``report.md`` is written at the end.
 
     .venv/bin/python benchmarks/serve_bench.py --out docs/bench-serve
 """
@@ -60,12 +67,14 @@ def start_server(args, method: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
 
 
-def engine_seconds(url: str) -> dict[str, float]:
-    """The engine's time by phase so far, from the server's Prometheus metrics."""
+def engine_counters(url: str) -> dict[str, float]:
+    """The engine's time by phase and its target calls so far, from the server's Prometheus metrics."""
     out = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("specdec_engine_seconds_total{"):
             out[line.split('phase="')[1].split('"')[0]] = float(line.split()[-1])
+        elif line.startswith("specdec_target_calls_total "):
+            out["target_calls"] = float(line.split()[-1])
     return out
 
 
@@ -94,12 +103,14 @@ def run_level(url: str, prompts: list, clients: int, requests: int, max_tokens: 
     def client(mine):
         return [one_request(url, m, max_tokens) for m in mine]
 
-    before = engine_seconds(url)
+    before = engine_counters(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = [r for rs in pool.map(client, jobs) for r in rs]
     wall = time.perf_counter() - start
-    engine_s = {k: round(v - before.get(k, 0.0), 2) for k, v in engine_seconds(url).items()}
+    after = engine_counters(url)
+    calls = after.pop("target_calls", 0.0) - before.pop("target_calls", 0.0)
+    engine_s = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
     tokens = sum(r["tokens"] for r in results)
     return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
             "throughput_tok_s": tokens / wall,
@@ -107,21 +118,28 @@ def run_level(url: str, prompts: list, clients: int, requests: int, max_tokens: 
             "median_latency_s": statistics.median(r["latency_s"] for r in results),
             "median_request_tok_s": statistics.median(r["tokens"] / r["latency_s"] for r in results),
             "median_accepted_per_call": statistics.median(r["accepted_per_call"] for r in results),
-            "engine_time_s": engine_s}  # where the engine's time went during the level
+            "engine_time_s": engine_s,  # where the engine's time went during the level
+            "target_calls": calls}
 
 
 def report(runs: list[dict]) -> str:
-    lines = ["| server | clients | requests | tokens | throughput tok/s | vs 1 client | vs plain | median TTFT s | "
-             "median latency s | median per-request tok/s | accepted/call |", "|" + "---|" * 11]
-    by = {(r["method"], r["clients"]): r for r in runs}
-    for r in sorted(runs, key=lambda r: (r["method"], r["clients"])):
-        one = by.get((r["method"], 1))
-        plain = by.get(("none", r["clients"]))
-        lines.append(f"| {r['method']} | {r['clients']} | {r['requests']} | {r['tokens']} | {r['throughput_tok_s']:.1f} | "
-                     f"{r['throughput_tok_s'] / one['throughput_tok_s'] if one else float('nan'):.2f}x | "
-                     f"{r['throughput_tok_s'] / plain['throughput_tok_s'] if plain else float('nan'):.2f}x | "
-                     f"{r['median_ttft_s']:.2f} | {r['median_latency_s']:.1f} | {r['median_request_tok_s']:.1f} | "
-                     f"{r['median_accepted_per_call']:.2f} |")
+    """Per (method, clients): medians over rounds, and the median over rounds of the ratio to
+    plain decoding measured in the same round."""
+    lines = ["| server | clients | rounds | tokens per round | throughput tok/s | vs plain (same round) | per-round ratios | "
+             "median TTFT s | median latency s | median per-request tok/s | accepted/call | target forward ms/call |",
+             "|" + "---|" * 12]
+    by = {(r.get("round", 0), r["method"], r["clients"]): r for r in runs}
+    for method, clients in sorted({(r["method"], r["clients"]) for r in runs}):
+        mine = sorted((r for r in runs if (r["method"], r["clients"]) == (method, clients)), key=lambda r: r.get("round", 0))
+        ratios = [r["throughput_tok_s"] / by[(r.get("round", 0), "none", clients)]["throughput_tok_s"]
+                  for r in mine if (r.get("round", 0), "none", clients) in by]
+        med = lambda key: statistics.median(r[key] for r in mine)
+        forward = [1000 * r["engine_time_s"].get("target_forward", 0.0) / r["target_calls"] for r in mine if r.get("target_calls")]
+        lines.append(f"| {method} | {clients} | {len(mine)} | {med('tokens'):.0f} | {med('throughput_tok_s'):.1f} | "
+                     f"{statistics.median(ratios) if ratios else float('nan'):.2f}x | "
+                     f"{' '.join(f'{x:.2f}' for x in ratios)} | {med('median_ttft_s'):.2f} | {med('median_latency_s'):.1f} | "
+                     f"{med('median_request_tok_s'):.1f} | {med('median_accepted_per_call'):.2f} | "
+                     f"{statistics.median(forward) if forward else float('nan'):.1f} |")
     return "\n".join(lines)
 
 
@@ -135,32 +153,32 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2, help="requests per client, sent one after another")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every level, methods interleaved")
     ap.add_argument("--out", type=Path, default=Path("docs/bench-serve"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "runs.jsonl"
     runs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    done = {(r["method"], r["clients"]) for r in runs}
+    done = {(r.get("round", 0), r["method"], r["clients"]) for r in runs}
     prompts = [p if isinstance(p, list) else [{"role": "user", "content": p}]
                for cat in load_workloads().values() for p in cat["prompts"]]
-    todo = [(m, int(c)) for m in args.methods.split(",") for c in args.clients.split(",") if (m, int(c)) not in done]
-    bar = tqdm(todo, desc="serve bench", unit="level")
-    for method in dict.fromkeys(m for m, _ in todo):
-        server, url = start_server(args, method)
-        try:
-            one_request(url, prompts[0], 8)  # warm-up
-            for m, clients in todo:
-                if m != method:
-                    continue
-                bar.set_postfix(method=method, clients=clients)
-                record = {"method": method, "max_tokens": args.max_tokens, "dtype": args.dtype,
-                          **run_level(url, prompts, clients, args.requests if clients > 1 else 2 * args.requests,
-                                      args.max_tokens)}
-                with log.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
-                runs.append(record)
-                bar.update()
-        finally:
+    methods = args.methods.split(",")
+    todo = [(rnd, m, int(c)) for rnd in range(args.rounds) for c in args.clients.split(",")
+            for m in (methods if rnd % 2 == 0 else methods[::-1]) if (rnd, m, int(c)) not in done]
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for method in dict.fromkeys(m for _, m, _ in todo):
+            servers[method] = start_server(args, method)
+            one_request(servers[method][1], prompts[0], 8)  # warm-up
+        for rnd, method, clients in tqdm(todo, desc="serve bench", unit="level"):
+            requests = args.requests if clients > 1 else 2 * args.requests
+            record = {"round": rnd, "method": method, "max_tokens": args.max_tokens, "dtype": args.dtype,
+                      **run_level(servers[method][1], prompts, clients, requests, args.max_tokens)}
+            with log.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            runs.append(record)
+    finally:
+        for server, _ in servers.values():
             server.terminate()
             server.wait(60)
     text = report(runs)

@@ -207,7 +207,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "k tokens per step and the target verifies them in one call; the output distribution is "
         "exactly the target's (at temperature 0: the same tokens as plain decoding). By default the "
         "target's shipped draft head speculates (with n-gram lookup when the text repeats itself, "
-        "k chosen each step); with --draft a smaller model does; --proposer none decodes plainly.",
+        "k chosen each step); with --draft a smaller model does (also with n-gram lookup); --proposer none "
+        "decodes plainly.",
     )
     _add_model_options(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch; '-' reads stdin")
@@ -228,15 +229,16 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     from specdec.models import registry
 
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name or path to a .gguf file / HF directory (default: %(default)s)")
-    p.add_argument("--draft", default=None, help="draft model name or path (implies --proposer draft)")
+    p.add_argument("--draft", default=None,
+                   help="draft model name or path (the default proposer is then hybrid: n-gram lookup, else this model)")
     p.add_argument("--proposer", choices=PROPOSERS, default=None,
                    help="where drafts come from: the target's draft head, a draft model, n-gram prompt "
                    "lookup, the target's own first layers, hybrid (n-gram when it matches, else the draft "
                    "model / head / early exit), hybrid-head; candidate trees (several guesses per position, "
                    "verified exactly in one call): suffix (frequent continuations of the text so far), "
                    "head-tree (the head's dynamic trees), hybrid-tree (suffix when it matches, else head trees); "
-                   "or none (plain decoding). With a tree proposer --k is the node budget. Default: draft "
-                   "with --draft, else hybrid over the draft head when the target has one, else none")
+                   "or none (plain decoding). With a tree proposer --k is the node budget. Default: hybrid, over "
+                   "the --draft model if given, else over the draft head when the target has one; else none")
     p.add_argument("--head", default=None, metavar="PATH",
                    help="draft head file (from `specdec train-head`; default: the one shipped for --target)")
     p.add_argument("--k", type=_k_value, default=None,

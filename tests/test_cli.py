@@ -234,3 +234,25 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
         assert json.loads(spec)["token_ids"] == json.loads(plain)["token_ids"]
     code, _, err = _run(capsys, "train-head", "--target", str(model), "--out", str(tmp_path / "h.bin"))
     assert code == 2 and "--out must end in .safetensors" in err
+
+
+def test_the_default_proposer_is_the_hybrid_over_whichever_model_is_loaded(capsys, model_dir):
+    """One place decides the default (``resolve_proposer``): the hybrid, whose model side is the
+    draft model when one is given, else the target's head; plain decoding when neither exists."""
+    from specdec.api import hybrid_model, resolve_proposer
+
+    assert resolve_proposer(None, draft=True, head=True) == "hybrid"
+    assert hybrid_model("hybrid", draft=True, head=True) == "draft"
+    assert resolve_proposer(None, draft=False, head=True) == "hybrid"
+    assert hybrid_model("hybrid", draft=False, head=True) == "head"
+    assert resolve_proposer(None, draft=False, head=False) is None
+    assert resolve_proposer("none", draft=True, head=True) is None
+    # From the command line: --draft with no proposer speculates (n-gram lookup on this
+    # repetitive prompt) and gives plain decoding's greedy tokens.
+    base = ["generate", "--target", model_dir, "--prompt", "abcabcabcabc", "--max-new-tokens", "12", "--json"]
+    code, plain, err = _run(capsys, *base, "--proposer", "none")
+    assert code == 0, err
+    code, spec, err = _run(capsys, *base, "--draft", model_dir, "--ngram-min", "2")
+    assert code == 0, err
+    assert json.loads(spec)["token_ids"] == json.loads(plain)["token_ids"]
+    assert json.loads(spec)["metrics"]["acceptance"]["scored_draft_tokens"] > 0

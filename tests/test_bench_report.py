@@ -148,3 +148,30 @@ def test_stop_at_eos_ends_a_run_where_the_answer_ends(tmp_path):
         stopped = bench.run(method, prompt, 0.0, seed=0, stop_at_eos=True)["token_ids"]
         assert stopped == full[: full.index(full[3]) + 1]
     assert bench.run("plain", prompt, 0.0, seed=0)["token_ids"] == full  # the flag does not stick
+
+
+def test_methods_run_back_to_back_in_alternating_order(tmp_path, monkeypatch):
+    """Each prompt runs every method back to back, in reversed order on every other prompt (the
+    machine's speed drifts: a fixed order would favour the same methods); the report keeps the
+    methods in the order they were asked for."""
+    workloads = {"code": {"grounded": True, "prompts": ["p0", "p1"]}, "qa": {"grounded": True, "prompts": ["q0"]}}
+    monkeypatch.setattr(jobs, "load_workloads", lambda include_extra=False: workloads)
+    calls = []
+
+    class FakeBench:
+        def __init__(self, *a, **kw):
+            pass
+
+        def encode(self, prompt):
+            return [1]
+
+        def run(self, method, ids, temperature, seed, stop_at_eos=False):
+            calls.append(method)
+            return {"token_ids": [1, 2], "metrics": {"throughput_tok_s": 10.0, "target_calls_per_token": 1.0}}
+
+    monkeypatch.setattr(jobs, "Bench", FakeBench)
+    results = jobs.run_bench(tmp_path, ["plain", "ngram", "suffix"], [0.0], None, "t", "d", "int8", 1, 4, 8)
+    # code p0, qa q0 (prompt index 0), then code p1
+    assert calls == ["plain", "ngram", "suffix", "suffix", "ngram", "plain", "plain", "ngram", "suffix"]
+    assert [r["method"] for r in results["runs"][:3]] == ["plain", "ngram", "suffix"]
+    assert "| plain | 1.00x | 1.00x | 1.00x |" in (tmp_path / "report.md").read_text()

@@ -161,14 +161,19 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
             raise ValueError(f"unknown categories {unknown}; choose from {', '.join(workloads)}")
         workloads = {c: workloads[c] for c in categories}
     jobs = []
-    # Prompt-major order: an interrupted run has every category up to the same prompt index.
+    # Prompt-major order: an interrupted run has every category up to the same prompt index. On
+    # each prompt the methods run back to back, in reversed order every other prompt: this
+    # machine's speed drifts within minutes, and a fixed order would favour the same methods.
     most = max(len(spec["prompts"]) for spec in workloads.values())
+    n = 0
     for i in range(min(most, prompts_per_category or most)):
         for category, spec in workloads.items():
             if i >= len(spec["prompts"]):
                 continue
+            order = methods if n % 2 == 0 else methods[::-1]
+            n += 1
             for temp in temperatures:
-                for method in methods:
+                for method in order:
                     if temp > 0 and ("_k" in method):
                         continue  # the k sweep is greedy only
                     jobs.append((method, category, i, spec["prompts"][i], temp))

@@ -242,9 +242,12 @@ def test_prune_keeps_a_valid_tree_of_the_best_nodes():
 
 
 def test_suffix_tree_merges_continuations_by_frequency():
-    tokens, parents, scores = build_tree([[1, 2, 3], [1, 2, 4], [1, 5], [6]], budget=4)
-    assert tokens == [1, 2, 3, 4] or tokens == [1, 2, 5, 6] or len(tokens) == 4
-    assert tokens[:2] == [1, 2] and parents[:2] == [-1, 0] and scores[:2] == [0.75, 0.5]
+    tokens, parents, scores, _ = build_tree([[1, 2, 3], [1, 2, 4], [1, 5], [6]], budget=4)
+    # the 4 heaviest nodes (ties: the earlier), breadth first: 1 (3 of 4), 2 (2 of 4), 3 and 4 (1 each)
+    assert tokens == [1, 2, 3, 4] and parents == [-1, 0, 1, 1] and scores == [0.75, 0.5, 0.25, 0.25]
+    tokens, parents, scores, states = build_tree([[7, 8], [9]], budget=3, weights=[3.0, 1.0],
+                                                 states=[["a", "b"], ["c"]])
+    assert tokens == [7, 9, 8] and scores == [0.75, 0.25, 0.75] and states == ["a", "c", "b"]
     index = SuffixIndex(4)
     index.extend([1, 2, 3, 9, 1, 2, 4, 9, 1, 2])
     assert index.continuations((1, 2), 2, 8, before=9) == [[4, 9], [3, 9]]
@@ -286,3 +289,70 @@ def test_suffix_history_is_bounded_and_never_matches_across_outputs():
     assert history.index.continuations((29, 30), 3, 8) == [[31]]  # cut at the output's end
     assert history.index.continuations((2,), 3, 8) == []  # the oldest outputs were dropped
     assert history.index.continuations((31, -1), 3, 8) == []  # no n-gram spans a separator
+
+
+# -- the suffix proposer's copy cursor, re-entry points and learned replacements -------------------
+def _copy_proposer(prompt):
+    proposer = SuffixProposer(always_trees=True)
+    proposer.add([prompt], [GREEDY], torch.Generator())
+    return proposer
+
+
+def _best(proposal) -> list[int]:
+    tokens, parents, scores = (proposal.tokens[0].tolist(), proposal.parents[0].tolist(), proposal.scores[0].tolist())
+    return best_path(tokens, parents, scores)
+
+
+def test_suffix_proposer_follows_the_copy_it_is_making():
+    """A 10-token segment occurs twice, followed by 60 the first time and 61 the second. Copying
+    the first occurrence, the context's longest suffix the index keeps (8 tokens) matches both
+    and the latest would win a lookup; the copy's cursor knows the text continues with 60."""
+    seg = list(range(1, 11))
+    source = [50] + seg + [60] + [51] + seg + [61] + [99]
+    lookup_only = SuffixProposer(always_trees=True)
+    lookup_only.add([source + seg], [GREEDY], torch.Generator())
+    assert _best(lookup_only.lookup(1)) == [61]
+    proposer = _copy_proposer(source + [50, 1])
+    proposer.feed([[]])
+    assert _best(proposer.lookup(4)) == [2, 3, 4, 5]  # "50 1": the first occurrence only
+    proposer.feed([seg[1:]])  # accepted: 2 3 4 5, then the text goes on copying
+    assert _best(proposer.lookup(2)) == [60, 51]
+
+
+def test_suffix_proposer_reenters_the_source_after_a_replacement_and_learns_it():
+    """A rename: the source says `cfg` (token 50) twice; the answer writes 60 61 instead. After
+    the first occurrence the copy comes back one source token on (a re-entry point), and the
+    second occurrence is drafted already renamed; the raw copy stays in the tree as a sibling,
+    and a rule the text does not follow is dropped."""
+    source = [10, 11, 12, 50, 13, 14, 15, 16, 17, 50, 18, 19, 20]
+    proposer = _copy_proposer(source + [10, 11])
+    proposer.feed([[]])
+    assert _best(proposer.lookup(4)) == [12, 50, 13, 14]
+    proposer.feed([[12, 60, 61]])  # 12 copied, then the copy breaks off at 50 (position 3)
+    reentry = proposer.lookup(8)
+    assert 13 in reentry.tokens[0].tolist()  # source position 4: one token skipped
+    proposer.feed([[13, 14]])  # the text is back at the source: 50 -> 60 61 learned
+    assert proposer.rows[0].rules == {(50,): (60, 61)}
+    tree = proposer.lookup(16)
+    assert _best(tree)[:6] == [15, 16, 17, 60, 61, 18]
+    assert 50 in tree.tokens[0].tolist()  # the unreplaced copy as an alternative
+    proposer.feed([[15, 16, 17, 50]])  # this time the source stayed: the rule is dropped
+    assert proposer.rows[0].rules == {}
+    assert _best(proposer.lookup(3)) == [18, 19, 20]
+
+
+def test_suffix_proposer_scores_a_longer_copy_as_more_certain():
+    """Laplace's rule of succession along the copy: after r agreeing tokens, depth d scores
+    (r+1)/(r+1+d) of the copy's weight; a longer run scores every depth higher, and scores never
+    increase down the tree (what pruning needs)."""
+    source = list(range(100, 140))
+    short, long_ = _copy_proposer(source + [100, 101]), _copy_proposer(source + [100, 101])
+    for proposer, accepted in ((short, source[2:3]), (long_, source[2:30])):
+        proposer.feed([[]])
+        proposer.lookup(len(accepted))
+        proposer.feed([accepted])  # the drafted copy, accepted: 3 and 30 tokens of agreement
+    a, b = short.lookup(5), long_.lookup(5)
+    assert a.parents[0].tolist() == [-1, 0, 1, 2, 3] == b.parents[0].tolist()
+    sa, sb = a.scores[0].tolist(), b.scores[0].tolist()
+    assert all(x < y for x, y in zip(sa, sb))
+    assert sa == sorted(sa, reverse=True) and sb == sorted(sb, reverse=True)

@@ -9,10 +9,15 @@ per call, and (greedy) whether every run equals plain decoding.
 
     python docs/bench-q4k/paired.py OUT_DIR --methods plain,hybrid_head --temperature 0.8 \
         --per 4 [--categories multi_turn,math] [--max-new-tokens 96] [--dtype q4k]
+
+``--old-suffix COMMIT``: methods ending in ``_old`` (e.g. ``suffix_old``, ``hybrid_tree_old``) run
+with the suffix proposer of that commit (its specdec/proposers/suffix.py, read with git show), so
+a change to it is measured against its predecessor in the same process.
 """
-import argparse, json, math, statistics
+import argparse, importlib.util, json, math, statistics, subprocess, tempfile
 from pathlib import Path
 
+import specdec.api as api
 from specdec.bench.jobs import Bench, load_workloads
 from specdec.models import registry
 
@@ -25,7 +30,29 @@ ap.add_argument("--categories", default=None)
 ap.add_argument("--max-new-tokens", type=int, default=96)
 ap.add_argument("--dtype", default="q4k")
 ap.add_argument("--seeds", type=int, default=1, help="runs per prompt (seeds 0..N-1; sampled only)")
+ap.add_argument("--old-suffix", default=None, help="commit whose suffix proposer the *_old methods use")
 args = ap.parse_args()
+NEW_SUFFIX, OLD_SUFFIX = api.SuffixProposer, None
+if args.old_suffix:
+    source = subprocess.run(["git", "show", f"{args.old_suffix}:specdec/proposers/suffix.py"], check=True,
+                            capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "old_suffix.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("old_suffix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    OLD_SUFFIX = module.SuffixProposer
+
+
+def run(m, ids, temperature, seed):
+    """One run; ``*_old`` methods with the old suffix proposer (the one place api builds it)."""
+    api.SuffixProposer = OLD_SUFFIX if m.endswith("_old") else NEW_SUFFIX
+    try:
+        return bench.run(m.removesuffix("_old"), ids, temperature, seed=seed, stop_at_eos=True)
+    finally:
+        api.SuffixProposer = NEW_SUFFIX
+
+
 methods = args.methods.split(",")
 assert methods[0] == "plain", "plain decoding first: the baseline"
 work = load_workloads(include_extra=True)
@@ -44,7 +71,7 @@ with open(args.out / "runs.jsonl", "w") as log:
                 order = methods if n % 2 == 0 else methods[::-1]
                 n += 1
                 for m in order:
-                    r = bench.run(m, ids, args.temperature, seed=seed + 1000 * i, stop_at_eos=True)
+                    r = run(m, ids, args.temperature, seed + 1000 * i)
                     rec = {"method": m, "category": cat, "prompt": i, "seed": seed, "temperature": args.temperature,
                            "token_ids": r["token_ids"], "metrics": r["metrics"]}
                     log.write(json.dumps(rec) + "\n"); log.flush()

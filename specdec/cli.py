@@ -206,8 +206,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         description="Generate a continuation of --prompt with the target model. A proposer suggests "
         "k tokens per step and the target verifies them in one call; the output distribution is "
         "exactly the target's (at temperature 0: the same tokens as plain decoding). By default the "
-        "target's shipped draft head speculates (with n-gram lookup when the text repeats itself, "
-        "k chosen each step); with --draft a smaller model does (also with n-gram lookup); --proposer none "
+        "target's shipped draft head speculates (with lookup of the text's own repeats when it copies, "
+        "k chosen each step); with --draft a smaller model does (also with that lookup); --proposer none "
         "decodes plainly.",
     )
     _add_model_options(p)
@@ -230,10 +230,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name or path to a .gguf file / HF directory (default: %(default)s)")
     p.add_argument("--draft", default=None,
-                   help="draft model name or path (the default proposer is then hybrid: n-gram lookup, else this model)")
+                   help="draft model name or path (the default proposer is then hybrid: lookup, else this model)")
     p.add_argument("--proposer", choices=PROPOSERS, default=None,
                    help="where drafts come from: the target's draft head, a draft model, n-gram prompt "
-                   "lookup, the target's own first layers, hybrid (n-gram when it matches, else the draft "
+                   "lookup, the target's own first layers, hybrid (lookup when the text repeats itself: the suffix "
+                   "proposer's copy as chains; else the draft "
                    "model / head / early exit), hybrid-head; candidate trees (several guesses per position, "
                    "verified exactly in one call): suffix (frequent continuations of the text so far), "
                    "head-tree (the head's dynamic trees), hybrid-tree (suffix when it matches, else head trees); "
@@ -245,8 +246,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per step, or 'auto' (default with a proposer): chosen each step from "
                    "measured costs and acceptance, 0 = no speculation when drafts do not pay")
     p.add_argument("--k-max", type=_int_at_least(1), default=None, help="largest k for --k auto (default: 8)")
-    p.add_argument("--ngram-min", type=_int_at_least(1), default=None, help="n-gram/hybrid: shortest n-gram to match (default: 2)")
-    p.add_argument("--ngram-max", type=_int_at_least(1), default=None, help="n-gram/hybrid: longest n-gram to match (default: 4)")
+    p.add_argument("--ngram-min", type=_int_at_least(1), default=None, help="n-gram/hybrid: shortest context suffix to match (default: 2)")
+    p.add_argument("--ngram-max", type=_int_at_least(1), default=None, help="n-gram/hybrid: longest context suffix to match (default: 4)")
     p.add_argument("--exit-layer", type=_int_at_least(1), default=None,
                    help="early-exit (or hybrid without --draft) draft depth (default: a quarter of the layers)")
     p.add_argument("--seed", type=_seed_value, default=0, help=f"random seed in [0, {MAX_SEED}] (default: %(default)s)")

@@ -118,3 +118,21 @@ def test_draft_model_is_pruned_to_frequent_ids_in_one_place(hf_dir, monkeypatch)
     for kind in ("draft", "hybrid"):
         spec = gen.generate([prompt], loading_params(), 12, k=3, proposer=kind)[0]
         assert spec.token_ids == plain.token_ids
+
+
+def test_the_hybrids_lookup_side_is_the_suffix_proposers_chains(hf_dir):
+    """The one place the hybrids are built: their lookup side is the suffix proposer drafting
+    chains (its copy cursor and learned replacements), matching the n-gram lengths, sharing the
+    generator's history; the hybrid's greedy output is the target's own."""
+    from specdec.proposers import HybridProposer, SuffixProposer
+
+    directory, _ = hf_dir
+    gen = TextGenerator.load(str(directory), str(directory), dtype="int8")
+    hybrid = gen.make_proposer("hybrid", 64, ngram=(2, 5))
+    assert isinstance(hybrid, HybridProposer) and isinstance(hybrid.ngram, SuffixProposer)
+    assert not hybrid.emits_trees and (hybrid.ngram.min_match, hybrid.ngram.max_match) == (2, 5)
+    assert hybrid.ngram.history is gen.suffix_history
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    plain = gen.generate([prompt], loading_params(), 16, proposer="none")[0]
+    spec = gen.generate([prompt], loading_params(), 16, proposer="hybrid")[0]
+    assert spec.token_ids == plain.token_ids

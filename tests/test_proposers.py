@@ -7,7 +7,7 @@ import torch
 
 import specdec.verify as verify_module
 from specdec.engine import generate
-from specdec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from specdec.proposers import DraftModelProposer, HybridProposer, NgramProposer, SuffixProposer
 from specdec.proposers.ngram import NgramIndex
 from stats import ALPHA, chi_square_pvalue
 from test_engine import GREEDY, N_SAMPLES, PARAMS, PROMPT, PROMPTS, V_SMALL, _exact_joint, _perturbed
@@ -41,6 +41,10 @@ def _make(kind, target, draft, capacity):
         return DraftModelProposer(target.truncated(1), capacity)
     if kind == "hybrid":
         return HybridProposer(NgramProposer(1, 3), DraftModelProposer(draft, capacity))
+    if kind == "hybrid-copy":  # the API's hybrids: the suffix proposer's chains as the lookup side
+        lookup = SuffixProposer(min_match=1, max_match=3)
+        lookup.use_trees(False)
+        return HybridProposer(lookup, DraftModelProposer(draft, capacity))
     if kind == "pruned":  # FR-Spec: logits for all ids but the last (never drafted); any rows are exact
         ids = torch.arange(draft.vocab_size - 1)
         return DraftModelProposer(draft.with_output_rows(draft.embed[ids].float()), capacity,
@@ -58,7 +62,7 @@ def pair():
 REPETITIVE = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 1, 2, 3, 1], [4, 4, 4, 4], [9, 3, 9, 3, 9]]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "draft", "pruned"])
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "hybrid-copy", "draft", "pruned"])
 @pytest.mark.parametrize("k", [3, "auto"])
 def test_greedy_identity_for_every_proposer(pair, kind, k):
     target, draft = pair
@@ -100,14 +104,14 @@ def _proposer_joint_counts(kind):
     return counts, _exact_joint(target)
 
 
-@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "pruned"])
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "hybrid-copy", "pruned"])
 def test_exact_joint_law_for_every_proposer(kind):
     """Power: 10^5 samples over 216 cells; each proposer's own negative control below fails."""
     counts, joint = _proposer_joint_counts(kind)
     assert chi_square_pvalue(counts, joint) > ALPHA
 
 
-@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "pruned"])
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "hybrid-copy", "pruned"])
 def test_negative_control_for_every_proposer(kind, monkeypatch):
     """The same test with a wrong verifier (after a rejection, sample from p instead of the residual)
     must fail for each proposer: with n-gram's one-hot drafts the rejected token can then be drawn

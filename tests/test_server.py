@@ -67,7 +67,7 @@ def gen(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(gen):
-    # hybrid = n-gram lookup, else the target's first layer as a sampled draft; k chosen each step
+    # hybrid = lookup (the suffix copy), else the target's first layer as a sampled draft; k chosen each step
     # from measured timings: what each row drafts depends on the batch and the clock.
     s = Server(gen, ServeConfig(proposer="hybrid", k="auto", exit_layer=1, max_batch=16, max_queue=128, max_model_len=256))
     yield s

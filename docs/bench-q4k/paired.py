@@ -12,7 +12,9 @@ per call, and (greedy) whether every run equals plain decoding.
 
 ``--old-suffix COMMIT``: methods ending in ``_old`` (e.g. ``suffix_old``, ``hybrid_tree_old``) run
 with the suffix proposer of that commit (its specdec/proposers/suffix.py, read with git show), so
-a change to it is measured against its predecessor in the same process.
+a change to it is measured against its predecessor in the same process. Methods ending in
+``_ngram`` (e.g. ``hybrid_head_ngram``) build their hybrid with n-gram lookup as its lookup side,
+as the API did before docs/BENCHMARKS.md §26.
 """
 import argparse, importlib.util, json, math, statistics, subprocess, tempfile
 from pathlib import Path
@@ -44,13 +46,19 @@ if args.old_suffix:
     OLD_SUFFIX = module.SuffixProposer
 
 
+COPY_LOOKUP = api.copy_lookup
+
+
 def run(m, ids, temperature, seed):
-    """One run; ``*_old`` methods with the old suffix proposer (the one place api builds it)."""
+    """One run; ``*_old`` methods with the old suffix proposer (the one place api builds it),
+    ``*_ngram`` ones with n-gram lookup in the hybrid."""
     api.SuffixProposer = OLD_SUFFIX if m.endswith("_old") else NEW_SUFFIX
+    if m.endswith("_ngram"):
+        api.copy_lookup = lambda gen, ngram: api.NgramProposer(*ngram)
     try:
-        return bench.run(m.removesuffix("_old"), ids, temperature, seed=seed, stop_at_eos=True)
+        return bench.run(m.removesuffix("_old").removesuffix("_ngram"), ids, temperature, seed=seed, stop_at_eos=True)
     finally:
-        api.SuffixProposer = NEW_SUFFIX
+        api.SuffixProposer, api.copy_lookup = NEW_SUFFIX, COPY_LOOKUP
 
 
 methods = args.methods.split(",")

@@ -1,7 +1,9 @@
-"""Hybrid proposer: n-gram lookup when the context repeats itself, a model draft (or head) otherwise.
+"""Hybrid proposer: lookup when the context repeats itself, a model draft (or head) otherwise.
 
-Each step, if every row has an n-gram match the (nearly free) lookup proposes; otherwise the
-model draft does. The model draft still has to see every committed token, so tokens committed
+The lookup side is an :class:`NgramProposer` or a :class:`SuffixProposer` (the API's hybrids use
+the latter, drafting chains: it also follows the copy a row is making, see
+:func:`specdec.api.copy_lookup`). Each step, if every row has a match the (nearly free) lookup
+proposes; otherwise the model draft does. The model draft still has to see every committed token, so tokens committed
 while the n-gram was in use are queued and fed to it the next time it proposes (in one forward).
 ``next_source()`` tells the engine which proposer the coming step uses, so that adaptive k keeps
 separate cost and acceptance estimates for each.
@@ -13,11 +15,12 @@ import torch
 
 from specdec.proposers.base import Proposal
 from specdec.proposers.ngram import NgramProposer
+from specdec.proposers.suffix import SuffixProposer
 from specdec.sampling import SamplingParams
 
 
 class HybridProposer:
-    def __init__(self, ngram: NgramProposer, model_draft) -> None:
+    def __init__(self, ngram: NgramProposer | SuffixProposer, model_draft) -> None:
         if ngram.emits_trees != model_draft.emits_trees:
             raise ValueError("a hybrid's two proposers must both emit chains or both emit trees")
         self.ngram, self.model_draft = ngram, model_draft

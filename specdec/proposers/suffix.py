@@ -325,7 +325,9 @@ class SuffixProposer(SingleSource):
             suffix = tuple(text[len(text) - n:])
             conts, states = [], []
             for end in reversed(row.index.ends.get(suffix, ())):
-                if end < len(text) - 1 and len(conts) < self.max_occurrences:
+                if len(conts) == self.max_occurrences:
+                    break
+                if end < len(text) - 1:
                     tokens, st, _ = row.copy(end + 1, (), depth, rules=False)
                     if tokens:
                         conts.append(tokens)

@@ -11,7 +11,7 @@ Methods (``--methods``, comma-separated):
 * ``draft``, ``draft_auto``, ``ngram``, ``early_exit``, ``hybrid`` — our speculative variants
   (``draft`` with fixed ``--k``, the others with adaptive k);
 * ``head``, ``head_auto``, ``hybrid_head`` — the target's draft head (fixed ``--k`` / adaptive k /
-  with n-gram lookup when it matches, adaptive k);
+  with lookup (the suffix copy, as chains) when it matches, adaptive k);
 * ``suffix``, ``head_tree``, ``hybrid_tree`` — candidate trees (suffix lookup / the head's dynamic
   trees / suffix when it matches, else head trees), node budget chosen each step;
 * ``ngram_kN`` / ``draft_kN`` / ``head_kN`` / ``head_tree_kN`` — fixed k = N (for trees: N nodes);

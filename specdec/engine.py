@@ -49,7 +49,8 @@ class RowResult:
     batch, including the time breakdown by phase."""
 
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = "length"  # "length", "eos" or "stop"
+    finish_reason: str = "length"  # "length", "eos", "stop", "cancelled" or "error"
+    error: str | None = None  # why the row failed (finish_reason "error"); the other rows go on
     metrics: GenerationMetrics = field(default_factory=GenerationMetrics)
     batch_metrics: GenerationMetrics | None = None
 
@@ -155,7 +156,7 @@ class RowState:
 
     @property
     def finish_reason(self) -> str | None:
-        """None while running, else "length", "eos", "stop" or "cancelled"."""
+        """None while running, else "length", "eos", "stop", "cancelled" or "error"."""
         return self.result.finish_reason if self.done else None
 
 
@@ -323,7 +324,8 @@ class Engine:
         for row, token in zip(joining, first.tokens[:, 0].tolist()):
             row.result.metrics.target_calls = 1
             row.result.metrics.timings.ttft = now - row.added_at
-            self._commit(row, [token])
+            if not row.done:  # (a row that failed in verification commits nothing)
+                self._commit(row, [token])
         return joining
 
     def _decode(self) -> list[RowState]:
@@ -402,7 +404,7 @@ class Engine:
         others go through rejection sampling from the engine's stream (the best acceptance of
         sampled drafts)."""
         if not elementwise.all_finite(logits):
-            raise ValueError("the target model produced non-finite logits")
+            logits = self._fail_non_finite(rows, logits)
         batch = len(rows)
         kinds = [0 if r.request.params.greedy else 1 if r.uniforms is not None else 2 for r in rows]
         other = [i for i, kind in enumerate(kinds) if kind == 2]
@@ -439,6 +441,26 @@ class Engine:
             put_rows(result, torch.tensor(other), rejection)
         return result
 
+    def _fail_non_finite(self, rows: list[RowState], logits: torch.Tensor) -> torch.Tensor:
+        """Fail the rows whose logits hold a NaN or an inf (finish_reason "error"), and return the
+        logits with theirs zeroed, so that the step goes on for the others: a row's logits do not
+        depend on the other rows (batch invariance), so one broken row says nothing about them."""
+        bad = (~torch.isfinite(logits)).flatten(1).any(1)  # [B]
+        for i in bad.nonzero().flatten().tolist():
+            self.fail(rows[i], "the target model produced non-finite logits for this request")
+        return logits.masked_fill(bad.view(-1, *[1] * (logits.dim() - 1)), 0.0)
+
+    def fail(self, row: RowState, message: str) -> None:
+        """End ``row`` with finish_reason "error" and ``message``; it commits nothing more and
+        leaves the batch at the next step."""
+        if not row.done:
+            row.done = True
+            row.result.finish_reason = "error"
+            row.result.error = message
+            row.result.metrics.timings.total = time.perf_counter() - row.added_at
+        if row in self.waiting:
+            self.waiting.remove(row)
+
     def _record(self, proposal: Proposal, result) -> None:
         """Per-row acceptance bookkeeping (one tolist per quantity, no per-row tensor ops) and
         the commit of each row's tokens."""
@@ -448,6 +470,8 @@ class Engine:
         for i, row in enumerate(self.rows):
             metrics = row.result.metrics
             metrics.target_calls += 1
+            if row.done:  # failed in this step's verification
+                continue
             metrics.acceptance.record(depth[i], accepted[i], scored[i])
             self.metrics.acceptance.record(depth[i], accepted[i], scored[i])
             self._commit(row, committed[i][: accepted[i] + 1])

@@ -21,15 +21,23 @@ import torch
 # Above this the processed distribution is uniform noise over the kept tokens for any real logits
 # (and inf is not a temperature): such a value is a mistake, not a request.
 MAX_TEMPERATURE = 100.0
+# Below this a temperature is greedy. Logits are processed in fp32, where a temperature under
+# ~7e-46 rounds to 0: the max logit's 0 / 0 would be NaN and the row could not be sampled (a
+# request with temperature 1e-50 used to take the server down). 1e-40 is still a (subnormal)
+# non-zero fp32 number, so every temperature from here up divides stably. At any temperature this
+# small the distribution is the argmax already, but for exact ties, which greedy breaks towards
+# the lowest id.
+GREEDY_BELOW = 1e-40
 
-__all__ = ["MAX_TEMPERATURE", "SamplingParams", "greedy_one_hot", "probs_from_logits", "probs_per_row", "sample", "sample_at"]
+__all__ = ["GREEDY_BELOW", "MAX_TEMPERATURE", "SamplingParams", "greedy_one_hot", "probs_from_logits", "probs_per_row", "sample", "sample_at"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to turn a row of logits into the distribution that is sampled from.
 
-    temperature: 0 means greedy (one-hot argmax); > 0 divides the logits.
+    temperature: 0 means greedy (one-hot argmax); > 0 divides the logits; below
+        :data:`GREEDY_BELOW` it is stored as 0 (greedy).
     top_k: keep the k most likely tokens (0 or None: off).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1.0: off).
     min_p: drop tokens whose probability is below min_p * max probability (0.0: off).
@@ -43,6 +51,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= MAX_TEMPERATURE):  # also rejects NaN
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 or None, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

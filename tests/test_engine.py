@@ -203,3 +203,45 @@ def test_batched_speculation_never_passes_the_context_length(pair, k):
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
         assert [r.finish_reason for r in spec] == ["length", "length"]
         assert len(spec[0].token_ids) == max_new
+
+
+# ---- one broken row fails alone ----------------------------------------------------------------
+
+@pytest.mark.parametrize("at_prefill", [False, True])
+def test_a_poisoned_row_fails_alone_and_the_others_match_their_solo_answers(pair, at_prefill):
+    """Server hardening: one row of a batch of 8 gets NaN logits (at its prefill, or after it
+    has committed 3 tokens); it ends with finish_reason "error" and a message, and the 7 others
+    (greedy and seeded sampling, with a draft model at k = 3) finish token-identical to their
+    answers run alone. Before per-row failure the whole step raised and every row was lost."""
+    from specdec.engine import Engine, Request
+
+    target, draft = pair
+    prompts = [[1 + i, 5, 9 + i, 2] for i in range(8)]
+    params = [GREEDY if i % 2 else SamplingParams(temperature=0.9, top_k=20) for i in range(8)]
+    poisoned = 3
+
+    def run(rows, engine_cls=Engine):
+        proposer = DraftModelProposer(draft, 64)
+        engine = engine_cls(target, proposer, capacity=64, k=3, seed=0)
+        states = [engine.add(Request(prompts[i], params[i], 12, seed=100 + i)) for i in rows]
+        while engine.busy:
+            engine.step()
+        return states
+
+    class Poisoning(Engine):
+        def _verify(self, rows, logits, proposal):
+            for b, row in enumerate(rows):
+                if row.request.prompt == prompts[poisoned] and (at_prefill or len(row.token_ids) >= 3):
+                    logits = logits.clone()
+                    logits[b, -1, 7] = float("nan")
+            return super()._verify(rows, logits, proposal)
+
+    solo = [run([i])[0] for i in range(8)]
+    batch = run(range(8), Poisoning)
+    bad = batch[poisoned]
+    assert bad.finish_reason == "error" and "non-finite logits" in bad.result.error
+    assert len(bad.token_ids) == 0 if at_prefill else len(bad.token_ids) >= 3
+    for i in range(8):
+        if i != poisoned:
+            assert batch[i].finish_reason == solo[i].finish_reason != "error"
+            assert batch[i].token_ids == solo[i].token_ids, i

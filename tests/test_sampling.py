@@ -200,3 +200,28 @@ def test_sample_accepts_unnormalised_rows():
     a = sample(probs, torch.Generator().manual_seed(1))
     b = sample(probs * 7.0, torch.Generator().manual_seed(1))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("temperature", [1e-41, 1e-45, 1e-50, 1e-300, 5e-324])
+def test_a_temperature_too_small_for_fp32_is_greedy(temperature):
+    """Regression (server hardening, defect 1): a temperature that rounds to 0 in fp32 made the
+    max logit 0 / 0 = NaN and sampling raised, killing the server. Below GREEDY_BELOW it is greedy
+    (ties to the lowest id), and the row samples."""
+    from specdec.sampling import GREEDY_BELOW
+
+    params = SamplingParams(temperature=temperature)
+    assert temperature < GREEDY_BELOW and params.greedy and params.temperature == 0.0
+    logits = torch.tensor([[1.0, 3.0, 2.0, -50.0], [0.5, 0.5, -1.0, 0.0]])
+    probs = probs_from_logits(logits, params)
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    assert sample(probs, torch.Generator().manual_seed(0)).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-39, 1e-30])
+def test_the_smallest_non_greedy_temperatures_divide_stably(temperature):
+    """From GREEDY_BELOW up the fp32 division is by a non-zero number: finite rows, ties shared.
+    Negative control for the test above: these are not turned into greedy."""
+    params = SamplingParams(temperature=temperature)
+    assert not params.greedy
+    probs = probs_from_logits(torch.tensor([[0.5, 0.5, -1.0, 0.0]]), params)
+    assert probs.tolist() == [[0.5, 0.5, 0.0, 0.0]]

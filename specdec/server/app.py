@@ -13,7 +13,8 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.api import TextGenerator, TextStream
 from specdec.engine import MAX_SEED, Request
@@ -34,7 +35,7 @@ class _Body(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     logprobs: Any = None
     presence_penalty: float = 0.0
@@ -44,7 +45,7 @@ class _Body(BaseModel):
 
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str]
-    echo: bool = False
+    echo: StrictBool = False
     best_of: int | None = None
 
 
@@ -92,11 +93,80 @@ def _params(body: _Body) -> SamplingParams:
         raise BadRequest(str(exc), str(exc).split()[0]) from None
 
 
+MAX_STOP_CHARS = 256  # per stop string: the stop finder holds back that much text while streaming
+
+
 def _stops(body: _Body) -> list[str]:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > 4:
         raise BadRequest("at most 4 stop sequences", "stop")
+    for s in stops:
+        _text(s, "stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise BadRequest(f"a stop sequence may have at most {MAX_STOP_CHARS} characters, got {len(s)}", "stop")
     return [s for s in stops if s]
+
+
+def _text(value: str, param: str) -> str:
+    """``value`` if it is valid Unicode text; a lone surrogate (JSON ``"\\ud800"``) cannot be
+    encoded or tokenized, so it is a 400 naming the field rather than a tokenizer's TypeError."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"{param} is not valid Unicode text: a lone surrogate at character {exc.start}", param) from None
+    return value
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 before anything parses it
+    (a 50 MB body used to stall every other request while it was read and parsed). The body is
+    read here in full (it is at most ``limit``) and replayed to the app."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self._too_large(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(send)
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send) -> None:
+        payload = json.dumps({"error": {"message": f"the request body exceeds {self.limit} bytes (max_request_bytes)",
+                                        "type": "invalid_request_error", "param": None,
+                                        "code": "request_too_large"}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    """Returns when the client has gone away (the ASGI server's ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None = None,
@@ -117,15 +187,33 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
             scheduler.stop()
 
     app = FastAPI(title="specdec", lifespan=lifespan)
+    app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
     app.state.scheduler = scheduler
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HTTPRequest, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
         metrics.rejected.labels("invalid").inc()
+        if first.get("type") == "json_invalid":  # loc is ("body", character offset)
+            where = first.get("loc", [None, None])[-1]
+            reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+            return _error(400, f"the request body is not valid JSON: {reason} at character {where}",
+                          "invalid_request_error")
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
         return _error(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}",
                       "invalid_request_error", ".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException):
+        """FastAPI's own errors (a body that is not UTF-8, an unknown path, a wrong method) in
+        OpenAI's error shape."""
+        if exc.status_code < 500:
+            metrics.rejected.labels("invalid").inc()
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "the request body could not be read as JSON (it must be UTF-8 encoded JSON)"
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(exc.status_code, detail, kind, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(BadRequest)
     async def bad(request: HTTPRequest, exc: BadRequest):
@@ -149,47 +237,66 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def prepare(body: _Body, prompts: list[list[int]], default_max: int | None) -> list[Job]:
+    def check_body(body: _Body, prompts: int) -> tuple[SamplingParams, list[str]]:
+        """What can be checked before tokenizing: the model, the parameters, the request's size."""
         if body.model != name:
             raise BadRequest(f"the model {body.model!r} does not exist; this server serves {name!r}", "model", "model_not_found")
         _unsupported(body)
-        params, stops = _params(body), _stops(body)
+        if prompts * body.n > config.max_queue:  # it could never be queued: not a 429 to retry
+            raise BadRequest(f"{prompts} prompts x n = {body.n} choices exceed this server's queue of "
+                             f"{config.max_queue} (max_queue)", "prompt" if prompts > 1 else "n")
+        return _params(body), _stops(body)
+
+    def prepare(body: _Body, prompts: list[list[int]], default_max: int | None, param: str) -> list[Job]:
+        params, stops = check_body(body, len(prompts))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         jobs = []
         for p, prompt in enumerate(prompts):
             if not prompt:
-                raise BadRequest("the prompt is empty", "prompt")
-            max_new = body.max_tokens or default_max or (config.max_model_len - len(prompt))
+                raise BadRequest("the prompt is empty", param)
+            room = config.max_model_len - len(prompt)
+            if room < 1:
+                raise BadRequest(f"the prompt ({len(prompt)} tokens) leaves no room for a completion: it exceeds this "
+                                 f"server's limit of {config.max_model_len - 1} prompt tokens (max_model_len "
+                                 f"{config.max_model_len}, prompt and completion together)", param,
+                                 "context_length_exceeded")
+            max_new = body.max_tokens or (min(default_max, room) if default_max else room)
             for c in range(body.n):
                 seed = None if body.seed is None else (body.seed + c) % (MAX_SEED + 1)
                 request = Request(prompt, params, max_new, seed)
                 try:
                     scheduler.check(request)
                 except ValueError as exc:
-                    raise BadRequest(str(exc), "max_tokens" if body.max_tokens else "prompt", "context_length_exceeded") from None
+                    raise BadRequest(str(exc), "max_tokens" if body.max_tokens else param, "context_length_exceeded") from None
                 jobs.append(Job(p * body.n + c, request, TextStream(gen.target.tokenizer, stops), stops, events, loop,
                                 n_choices=body.n))
         return jobs
 
-    async def collect(request: HTTPRequest, jobs: list[Job]) -> tuple[list[dict], dict]:
-        """Wait for every job's final event (a client that leaves cancels them)."""
+    async def collect(request: HTTPRequest, jobs: list[Job]) -> tuple[list[dict], dict] | JSONResponse:
+        """Wait for every job's final event. A client that leaves cancels its jobs at once (the
+        engine drops their rows before its next step); a job that fails fails the request."""
         texts = [""] * len(jobs)
         finals: list[dict | None] = [None] * len(jobs)
         queue = jobs[0].events
-        while any(f is None for f in finals):
-            try:
-                index, event = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while any(f is None for f in finals):
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
                     scheduler.cancel(jobs)
-                    raise asyncio.CancelledError from None
-                continue
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            texts[index] += event.get("text", "")
-            if "finish_reason" in event:
-                finals[index] = event
+                    raise asyncio.CancelledError
+                index, event = get.result()
+                if "error" in event:
+                    scheduler.cancel(jobs)
+                    return _error(500, event["error"], "server_error", code=event.get("finish_reason"))
+                texts[index] += event.get("text", "")
+                if "finish_reason" in event:
+                    finals[index] = event
+        finally:
+            gone.cancel()
         return [{"index": i, "text": t, "finish_reason": f["finish_reason"]} for i, (t, f) in enumerate(zip(texts, finals))], \
             _sum_usage([f.get("usage") for f in finals], _prompt_tokens(jobs))
 
@@ -203,9 +310,12 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
                 queue = jobs[0].events
                 while done < len(jobs):
                     index, event = await queue.get()
-                    if "error" in event:
-                        yield f"data: {json.dumps({'error': {'message': event['error'], 'type': 'server_error'}})}\n\n"
-                        break
+                    if "error" in event:  # a failed choice, or a server at the end of its grace period
+                        error = {"message": event["error"], "type": "server_error", "param": None,
+                                 "code": event.get("finish_reason")}
+                        yield f"data: {json.dumps(make_chunk(index, '', event.get('finish_reason', 'error')) | {'error': error})}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
                     finish = event.get("finish_reason")
                     if event.get("text") or finish:
                         yield f"data: {json.dumps(make_chunk(index, event.get('text', ''), finish))}\n\n"
@@ -224,21 +334,28 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    def tokenize(texts: list[str]) -> list[list[int]]:
+        tok = gen.target.tokenizer
+        return [tok(t)["input_ids"] for t in texts]
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: HTTPRequest):
-        tok = gen.target.tokenizer
         if isinstance(body.prompt, str):
-            prompts = [tok(body.prompt)["input_ids"]]
+            texts = [_text(body.prompt, "prompt")]
         elif body.prompt and isinstance(body.prompt[0], int):
+            texts = None
             vocab = gen.target.model.vocab_size
             if any(not 0 <= t < vocab for t in body.prompt):
                 raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
-            prompts = [list(body.prompt)]
         else:
-            prompts = [tok(p)["input_ids"] for p in body.prompt]
-        if not prompts:
+            texts = [_text(p, "prompt") for p in body.prompt]
+        if texts == []:
             raise BadRequest("the prompt is empty", "prompt")
-        jobs = prepare(body, prompts, 16)
+        check_body(body, len(texts or [0]))  # before the tokenizer's work
+        # Tokenizing is CPU work (seconds for a few MB): a worker thread, so /health and the
+        # other requests' streams go on meanwhile.
+        prompts = [list(body.prompt)] if texts is None else await asyncio.to_thread(tokenize, texts)
+        jobs = prepare(body, prompts, 16, "prompt")
         scheduler.submit(jobs)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -248,7 +365,10 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
 
         if body.stream:
             return stream(jobs, chunk, bool((body.stream_options or {}).get("include_usage")), [])
-        choices, usage = await collect(request, jobs)
+        collected = await collect(request, jobs)
+        if isinstance(collected, JSONResponse):
+            return collected
+        choices, usage = collected
         for c in choices:
             c["logprobs"] = None
         return {"id": rid, "object": "text_completion", "created": now, "model": name, "choices": choices, "usage": usage}
@@ -256,20 +376,22 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: HTTPRequest):
         messages = []
-        for m in body.messages:
+        for i, m in enumerate(body.messages):
             content = m.content
             if isinstance(content, list):  # text parts only
-                if any(part.get("type") != "text" for part in content):
-                    raise BadRequest("only text content parts are supported", "messages")
+                if any(part.get("type") != "text" or not isinstance(part.get("text", ""), str) for part in content):
+                    raise BadRequest("only text content parts are supported", f"messages.{i}.content")
                 content = "".join(part.get("text", "") for part in content)
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-        try:
-            prompt = gen.encode_chat(messages)
+            messages.append({"role": "system" if m.role == "developer" else m.role,
+                             "content": _text(content or "", f"messages.{i}.content")})
+        check_body(body, 1)
+        try:  # the template and the tokenizer in a worker thread (see completions)
+            prompt = await asyncio.to_thread(gen.encode_chat, messages)
         except ValueError as exc:
             raise BadRequest(str(exc), "messages") from None
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
-        jobs = prepare(body, [prompt], None)
+        jobs = prepare(body, [prompt], None, "messages")
         scheduler.submit(jobs)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -283,7 +405,10 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
                        "choices": [{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}]} for j in jobs]
             return stream(jobs, chunk, bool((body.stream_options or {}).get("include_usage")), firsts)
-        choices, usage = await collect(request, jobs)
+        collected = await collect(request, jobs)
+        if isinstance(collected, JSONResponse):
+            return collected
+        choices, usage = collected
         return {"id": rid, "object": "chat.completion", "created": now, "model": name, "usage": usage,
                 "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
                              "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]}
@@ -321,12 +446,22 @@ def serve(gen: TextGenerator, config: ServeConfig, host: str = "127.0.0.1", port
     import uvicorn
 
     app = create_app(gen, config, model_name, engine_thread=False)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=grace_s))
+    # uvicorn's own grace is longer than ours: at ``grace_s`` the scheduler ends every request
+    # still running with an error event (a stream gets its last chunk and [DONE]), so uvicorn
+    # never has to cut a response in the middle.
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=grace_s + 5))
     http = threading.Thread(target=server.run, name="specdec-http", daemon=True)
+    scheduler = app.state.scheduler
 
     def shutdown(*_) -> None:
         if server.should_exit:
             server.force_exit = True  # a second Ctrl-C: do not wait for the grace period
+            scheduler.abort_all("the server is shutting down")
+        else:
+            timer = threading.Timer(grace_s, scheduler.abort_all, ["the server is shutting down"])
+            timer.daemon = True
+            timer.start()
         server.should_exit = True
 
     signal.signal(signal.SIGTERM, shutdown)

@@ -24,7 +24,7 @@ from specdec.engine import Engine, Request, RowState, check_stop
 from specdec.server.metrics import ServerMetrics
 
 # What a finished row's reason is called in the OpenAI format.
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
 
 
 @dataclass
@@ -32,7 +32,8 @@ class ServeConfig:
     """How the server decodes. ``proposer``: a name from :data:`specdec.proposers.PROPOSERS`
     already resolved (None: plain decoding). ``max_batch``: rows decoded together;
     ``max_queue``: requests waiting for a row before new ones get 429; ``max_model_len``: prompt
-    + max_tokens per request (sizes each row's KV cache)."""
+    + max_tokens per request (sizes each row's KV cache); ``max_request_bytes``: the largest
+    request body (413 beyond it)."""
 
     proposer: str | None = None
     k: int | str = "auto"
@@ -43,9 +44,10 @@ class ServeConfig:
     max_queue: int = 64
     max_model_len: int = 2048
     seed: int = 0
+    max_request_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue", "max_model_len", "k_max"):
+        for name in ("max_batch", "max_queue", "max_model_len", "k_max", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -76,11 +78,8 @@ class Scheduler:
 
     def __init__(self, gen: TextGenerator, config: ServeConfig, metrics: ServerMetrics) -> None:
         self.gen, self.config, self.metrics = gen, config, metrics
-        capacity = config.max_model_len + max(config.k_max, config.k if isinstance(config.k, int) else 0) + 2
-        proposer = gen.make_proposer(config.proposer, capacity, config.ngram, config.exit_layer) if config.proposer else None
-        self.engine = Engine(gen.target.model, proposer, capacity=capacity, k=config.k if proposer else 0,
-                             k_max=config.k_max, eos_token_ids=gen.eos_token_ids, seed=config.seed,
-                             max_batch=config.max_batch)
+        self.engine = self._new_engine()
+        self._abort: str | None = None  # set by abort_all: the message every job in flight ends with
         self._lock = threading.Lock()
         self._inbox: deque[Job] = deque()
         self._cancels: deque[Job] = deque()
@@ -90,6 +89,14 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._calls_seen = 0
         self._tokens = 0  # generated tokens published so far
+
+    def _new_engine(self) -> Engine:
+        config, gen = self.config, self.gen
+        capacity = config.max_model_len + max(config.k_max, config.k if isinstance(config.k, int) else 0) + 2
+        proposer = gen.make_proposer(config.proposer, capacity, config.ngram, config.exit_layer) if config.proposer else None
+        return Engine(gen.target.model, proposer, capacity=capacity, k=config.k if proposer else 0,
+                      k_max=config.k_max, eos_token_ids=gen.eos_token_ids, seed=config.seed,
+                      max_batch=config.max_batch)
 
     # -- the event-loop side ------------------------------------------------------------------
 
@@ -121,6 +128,13 @@ class Scheduler:
             self._inbox.extend(jobs)
         self._wake.set()
 
+    def abort_all(self, message: str) -> None:
+        """End every request in flight or waiting with an error event carrying ``message`` (a
+        server that stops at the end of its grace period: each stream gets a clean last event)."""
+        with self._lock:
+            self._abort = message
+        self._wake.set()
+
     def cancel(self, jobs: list[Job]) -> None:
         with self._lock:
             self._cancels.extend(j for j in jobs if not j.cancelled)
@@ -138,20 +152,48 @@ class Scheduler:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                changed = self.engine.step()
+                try:
+                    changed = self.engine.step()
+                except Exception as exc:  # a bug: fail the requests in flight, keep serving the next ones
+                    self._recover(exc)
+                    continue
                 self._publish(changed)
-        except Exception as exc:  # a bug: fail every request loudly rather than hang them
-            for job in list(self._jobs.values()) + list(self._inbox):
-                self._emit(job, {"error": f"internal error: {type(exc).__name__}: {exc}"})
-            raise
         finally:
             for job in list(self._jobs.values()) + list(self._inbox):
                 self._emit(job, {"finish_reason": "cancelled", "text": ""})
+
+    def _recover(self, exc: Exception) -> None:
+        """An engine step raised: its state is not to be trusted. Every request in flight gets
+        an error event (the failure is logged once, with its traceback, for the operator) and a
+        fresh engine takes the next requests. Per-row faults never get here: the engine fails
+        such a row alone (:meth:`Engine.fail`)."""
+        import logging
+
+        logging.getLogger("specdec.server").error("engine step failed; %d requests in flight fail",
+                                                   len(self._jobs), exc_info=exc)
+        waiting = [self._jobs.pop(id(r)) for r in self.engine.waiting if id(r) in self._jobs]
+        for job in list(self._jobs.values()):
+            self._emit(job, {"error": f"internal error: {type(exc).__name__}: {exc}", "finish_reason": "error"})
+            self.metrics.requests.labels("error").inc()
+        self._jobs.clear()
+        self.engine = self._new_engine()
+        for job in waiting:  # requests that had not started yet lose nothing
+            job.row = self.engine.add(job.request)
+            self._jobs[id(job.row)] = job
 
     def _take_inbox(self) -> None:
         with self._lock:
             new, self._inbox = list(self._inbox), deque()
             cancels, self._cancels = list(self._cancels), deque()
+            abort, self._abort = self._abort, None
+        if abort is not None:
+            for job in list(self._jobs.values()) + new:
+                if job.row is not None:
+                    self.engine.cancel(job.row)
+                self._emit(job, {"error": abort, "finish_reason": "cancelled"})
+                self.metrics.requests.labels("cancelled").inc()
+            self._jobs.clear()
+            return
         for job in new:
             job.row = self.engine.add(job.request)
             self._jobs[id(job.row)] = job
@@ -194,6 +236,10 @@ class Scheduler:
                     self._emit(job, {"text": text})
                 continue
             del self._jobs[id(row)]
+            if row.finish_reason == "error":
+                self._emit(job, {"error": row.result.error, "finish_reason": "error"})
+                m.requests.labels("error").inc()
+                continue
             text += job.text.finish(self.gen.final_text(row.token_ids, job.stop))
             self._emit(job, {"text": text, "finish_reason": FINISH[row.finish_reason], "usage": self._usage(row)})
             m.requests.labels(FINISH[row.finish_reason]).inc()

@@ -28,16 +28,21 @@ ANSWER_TEMPERATURES = (0.0, 0.7)  # batch b answers at ANSWER_TEMPERATURES[b % 2
 
 def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: TrainConfig,
         eos_ids: set[int], max_sequences: int | None = None, corpus_root: Path | None = None,
-        answer_batches: int = 0, finetune_steps: int = 0, encode_chat=None, init_head: Path | None = None) -> dict:
+        answer_batches: int = 0, finetune_steps: int = 0, encode_chat=None, init_head: Path | None = None,
+        source: str = "python-docs", seq_len: int = 512, extract_only: bool = False) -> dict | None:
     """Train a head for ``target`` (its runtime dtype is the one whose features the head learns
     to read) and write it to ``out``; returns the model card.
 
     With ``init_head`` (a head file made by an earlier run for the same target), stage 1 is not
     run: that head is the starting point of stage 2, which then trains on own answers alone (the
     corpus is still built, to know which chunks stage 1 used), and the card keeps the earlier
-    run's stage-1 record."""
+    run's stage-1 record.
+
+    ``source``: "sharegpt" (chat conversations, :mod:`specdec.training.sharegpt`, formatted by
+    ``encode_chat``) or "python-docs" (:mod:`specdec.training.corpus`). ``extract_only``: stop
+    after the feature shards are written (a long extraction in stages); returns None then."""
     workdir.mkdir(parents=True, exist_ok=True)
-    corpus_path = workdir / "corpus.json"
+    corpus_path = workdir / ("corpus.json" if source == "python-docs" else f"corpus-{source}-{seq_len}.json")
     stages = {}
     t = time.perf_counter()
     if corpus_path.exists():
@@ -47,16 +52,21 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     else:
         data = None
     if data is None:
-        data = corpus.build(target.tokenizer, max_tokens, seed=cfg.seed, root=corpus_root)
+        data = _build_corpus(target, source, max_tokens, seq_len, cfg.seed, corpus_root, encode_chat)
         corpus.save(data, corpus_path)
     sequences = data["sequences"][:max_sequences]
     stages["corpus_seconds"] = round(time.perf_counter() - t, 1)
 
+    if extract_only:
+        t = time.perf_counter()
+        features.extract(target.model, sequences, workdir / _features_dir(source, seq_len))
+        return None
     model = target.model
     full_rows = heads.output_rows(target)  # [V, E] the target's output layer in fp32
     sources = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}
     if init_head is None:
-        card, net, dataset, train_ids = _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages)
+        card, net, dataset, train_ids = _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages,
+                                                workdir / _features_dir(source, seq_len))
         command = _stage1_command(target, max_tokens, max_sequences, cfg)
     else:
         head_cfg, state, vocab_ids, card = read_head(init_head)
@@ -95,13 +105,35 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     return card
 
 
-def _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages):
+def _features_dir(source: str, seq_len: int) -> str:
+    return "features" if source == "python-docs" else f"features-{source}-{seq_len}"
+
+
+def _build_corpus(target, source, max_tokens, seq_len, seed, root, encode_chat) -> dict:
+    """The training sequences of ``source`` with a manifest (see :func:`run`)."""
+    if source == "python-docs":
+        return corpus.build(target.tokenizer, max_tokens, seq_len=seq_len, seed=seed, root=root)
+    if source != "sharegpt":
+        raise ValueError(f"source must be 'sharegpt' or 'python-docs', got {source!r}")
+    from specdec.training import sharegpt
+
+    data = sharegpt.build(lambda msgs: encode_chat(msgs, add_generation_prompt=False), seq_len, max_tokens)
+    m = data["manifest"]
+    keep = max(1, len(data["sequences"]) // features.SHARD) * features.SHARD  # whole shards (see corpus.build)
+    data["sequences"] = data["sequences"][:keep]
+    m["sources"] = m.pop("conversation_ids")[:keep]
+    m["tokens"], m["sequences"] = sum(len(s) for s in data["sequences"]), keep
+    m["packages"] = [f"{m['source']['package']}==0.1.0"]
+    return data
+
+
+def _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages, feature_dir):
     """Features of the corpus, the vocabulary subset, training and held-out evaluation; returns the
     card so far, the head, the corpus dataset and its training ids."""
     t = time.perf_counter()
-    features.extract(target.model, sequences, workdir / "features")
+    features.extract(target.model, sequences, feature_dir)
     stages["extract_seconds_this_run"] = round(time.perf_counter() - t, 1)
-    shards = features.load_shards(workdir / "features")[: (len(sequences) + features.SHARD - 1) // features.SHARD]
+    shards = features.load_shards(feature_dir)[: (len(sequences) + features.SHARD - 1) // features.SHARD]
     dataset = Dataset(shards)
     train_ids, held_ids = split(len(dataset), cfg.held_out_every)
     model = target.model

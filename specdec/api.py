@@ -144,31 +144,12 @@ class TextGenerator:
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation in the target's chat template, ready for the assistant's
-        turn (the one place chat is encoded: CLI, API, server and head training).
-
-        Control tokens come from the template only: a message whose content spells one (a user
-        writing ``<|im_end|>`` to open a system turn of their own) has that content encoded as
-        plain text. Contents without such strings take the plain path (the whole rendered text
-        tokenized at once), so ordinary prompts tokenize exactly as the template intends."""
+        turn (the one place chat is encoded: CLI, API, server and head training); see
+        :func:`encode_messages`."""
         tok = self.target.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"{self.target.name} has no chat template (chat=False / --chat off / /v1/completions)")
-        specials = _control_strings(tok)
-        if not any(s in (m.get("content") or "") for m in messages for s in specials):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-            return tok(text, add_special_tokens=False)["input_ids"]
-        # Render with a sentinel in place of each content, then tokenize the template's pieces with
-        # control tokens parsed and the contents with every control string split into plain text.
-        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
-        text = tok.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
-        ids: list[int] = []
-        for n, piece in enumerate(re.split("\ue000(\\d+)\ue001", text)):
-            if n % 2 == 0:
-                ids += tok(piece, add_special_tokens=False)["input_ids"] if piece else []
-            else:
-                content = messages[int(piece)].get("content") or ""
-                ids += tok(content, add_special_tokens=False, split_special_tokens=True)["input_ids"] if content else []
-        return ids
+        return encode_messages(tok, messages, add_generation_prompt)
 
     def final_text(self, ids: list[int], stop: list[str]) -> str:
         """An answer's whole text, cut where its first stop string begins (one full decode)."""
@@ -298,6 +279,30 @@ def copy_lookup(gen: "TextGenerator", ngram: tuple[int, int]) -> SuffixProposer:
     lookup = SuffixProposer(min_match=ngram[0], max_match=ngram[1], history=gen.suffix_history)
     lookup.use_trees(False)
     return lookup
+
+
+def encode_messages(tok, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """``messages`` through ``tok``'s chat template, tokenized. Control tokens come from the
+    template only: a message whose content spells one (a user writing ``<|im_end|>`` to open a
+    system turn of their own) has that content encoded as plain text, as vLLM's and llama.cpp's
+    servers do. Contents without such strings take the plain path (the whole rendered text
+    tokenized at once), so ordinary prompts tokenize exactly as the template intends."""
+    specials = _control_strings(tok)
+    if not any(s in (m.get("content") or "") for m in messages for s in specials):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    # Render with a sentinel in place of each content, then tokenize the template's pieces with
+    # control tokens parsed and the contents with every control string split into plain text.
+    marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+    text = tok.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ids: list[int] = []
+    for n, piece in enumerate(re.split("\ue000(\\d+)\ue001", text)):
+        if n % 2 == 0:
+            ids += tok(piece, add_special_tokens=False)["input_ids"] if piece else []
+        else:
+            content = messages[int(piece)].get("content") or ""
+            ids += tok(content, add_special_tokens=False, split_special_tokens=True)["input_ids"] if content else []
+    return ids
 
 
 def _control_strings(tok) -> list[str]:

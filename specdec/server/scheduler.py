@@ -87,7 +87,8 @@ class Scheduler:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._calls_seen = 0
+        self._calls_seen = 0  # the current engine's target calls already counted
+        self._calls_total = 0  # every engine's (a failed step replaces the engine)
         self._tokens = 0  # generated tokens published so far
 
     def _new_engine(self) -> Engine:
@@ -177,6 +178,7 @@ class Scheduler:
             self.metrics.requests.labels("error").inc()
         self._jobs.clear()
         self.engine = self._new_engine()
+        self._calls_seen = 0
         for job in waiting:  # requests that had not started yet lose nothing
             job.row = self.engine.add(job.request)
             self._jobs[id(job.row)] = job
@@ -211,6 +213,7 @@ class Scheduler:
         m = self.metrics
         calls = self.engine.metrics.target_calls
         m.target_calls.inc(calls - self._calls_seen)
+        self._calls_total += calls - self._calls_seen
         self._calls_seen = calls
         m.batch.set(len(self.engine.rows))
         for phase, seconds in self.engine.timer.step.items():
@@ -250,7 +253,7 @@ class Scheduler:
             for i, (reached, accepted) in enumerate(zip(acc.reached_at, acc.accepted_at)):
                 m.reached.labels(str(i)).inc(reached)
                 m.accepted.labels(str(i)).inc(accepted)
-        m.calls_per_token.set(calls / max(1, self._tokens))
+        m.calls_per_token.set(self._calls_total / max(1, self._tokens))
         m.queue.set(len(self.engine.waiting))
 
     def _usage(self, row: RowState) -> dict:

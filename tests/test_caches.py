@@ -111,7 +111,7 @@ def test_a_fresh_quantized_cache_is_read_back_silently(home, tmp_path, capsys, d
 def _fake_converter(monkeypatch, calls: list[Path]):
     """Conversion of a (fake) GGUF: writes the tiny model's HF directory, counting the calls."""
 
-    def convert(gguf: Path, tmp: Path) -> Path:
+    def convert(gguf: Path, tmp: Path, out: Path | None = None) -> Path:
         calls.append(tmp)
         return _save(hf_tiny("qwen2"), tmp)
 
@@ -276,3 +276,32 @@ def test_a_changed_gguf_is_converted_again_and_the_old_conversion_removed(home, 
     loading.load(str(gguf), "float32")
     assert len(calls) == 2
     assert len([p for p in (home / "converted").iterdir() if p.is_dir()]) == 1
+
+
+def test_a_damaged_gguf_fails_before_any_conversion_notice_and_leaves_no_lock(home, tmp_path, capsys):
+    """Server hardening (defect 7): a truncated GGUF used to print "converting ... later loads
+    use ..." and then fail, leaving ``*.lock`` files behind."""
+    import gguf as gguf_lib
+
+    good = tmp_path / "good.gguf"
+    writer = gguf_lib.GGUFWriter(str(good), "llama")
+    writer.add_tensor("w", __import__("numpy").zeros((64, 64), dtype="float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(good.read_bytes()[: good.stat().st_size - 4096])
+    capsys.readouterr()
+    with pytest.raises(loading.ModelLoadError, match="truncated|damaged"):
+        loading.load(str(broken), "float32")
+    assert "converting" not in capsys.readouterr().err
+    assert _files(home, "*.lock") == [] and _files(home, "*.tmp-*") == []
+
+
+def test_a_model_directory_without_a_tokenizer_says_so_in_one_whole_sentence(tmp_path):
+    directory = tmp_path / "model"
+    hf_tiny("llama").save_pretrained(directory)
+    with pytest.raises(loading.ModelLoadError) as info:
+        loading.load(str(directory), "float32")
+    assert str(info.value).endswith("next to the weights") and "has no tokenizer" in str(info.value)

@@ -88,9 +88,17 @@ def build_lock(target: Path):
     """Hold the lock of the cache entry ``target`` (waiting for another builder if needed), after
     sweeping temporaries that a killed builder left behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.with_name(target.name + ".lock"))):
-        sweep(target)
-        yield
+    lock = target.with_name(target.name + ".lock")
+    try:
+        with FileLock(str(lock)):
+            sweep(target)
+            yield
+    finally:
+        if not target.exists():  # a build that failed leaves nothing behind, not even its lock file
+            try:
+                lock.unlink()
+            except OSError:
+                pass
 
 
 def write_atomic(target: Path, write: Callable[[Path], None]) -> Path:
@@ -142,6 +150,10 @@ def cached(target: Path, build: Callable[[Path], None], read: Callable[[Path], T
     raise AssertionError("unreachable")
 
 
-def brief(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+def brief(exc: BaseException, limit: int = 400) -> str:
+    """``Type: message`` on one line: the message's lines joined (a first line alone can stop
+    mid-sentence), cut at ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[: limit - 1].rstrip() + "…"
+    return f"{type(exc).__name__}: {text}".rstrip(": ")

@@ -106,10 +106,23 @@ def source_dir(name_or_path: str, *, install: bool = False) -> Path:
 def convert_gguf(gguf: Path, out: Path) -> Path:
     """Dequantize ``gguf`` into an HF directory ``out`` (once; later calls return at once)."""
     def build(tmp: Path) -> None:
-        cache.notice(f"converting {gguf.name} once (dequantize + tokenizer); later loads use {out}")
-        _write_done(_convert(gguf, tmp), gguf)
+        _write_done(_convert(gguf, tmp, out), gguf)
 
     return cache.ensure(out, lambda: is_converted(out), build, f"the conversion of {gguf.name}")
+
+
+def _check_gguf(gguf: Path) -> None:
+    """Read ``gguf``'s header, metadata and tensor table (no weights): ModelLoadError if it is
+    damaged, truncated or not a GGUF file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf))
+        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read {gguf}: damaged or not a supported GGUF model ({cache.brief(exc)})") from exc
+    if end > gguf.stat().st_size:
+        raise ModelLoadError(f"cannot read {gguf}: truncated ({gguf.stat().st_size} bytes, its tensors need {end})")
 
 
 def _write_done(directory: Path, gguf: Path) -> None:
@@ -117,11 +130,13 @@ def _write_done(directory: Path, gguf: Path) -> None:
     (directory / DONE).write_text(json.dumps({"gguf": str(gguf), "converted_at": time.time(), "files": files}))
 
 
-def _convert(gguf: Path, tmp: Path) -> Path:
-    """Write the Hugging Face directory ``tmp`` from ``gguf``; returns ``tmp``."""
+def _convert(gguf: Path, tmp: Path, out: Path | None = None) -> Path:
+    """Write the Hugging Face directory ``tmp`` (to become ``out``) from ``gguf``; returns ``tmp``."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_gguf(gguf)  # a damaged file fails here, before the notice promises a conversion
+    cache.notice(f"converting {gguf.name} once (dequantize + tokenizer); later loads use {out or tmp}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
         hf = AutoModelForCausalLM.from_pretrained(
@@ -218,9 +233,15 @@ def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "La
     return cache.cached(target, build, read, f"the {dtype} cache")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def _load_directory(directory: Path, dtype: str, gguf: Path | None = None) -> tuple[Transformer, object]:
     from transformers import AutoConfig, AutoTokenizer
 
+    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelLoadError(f"{directory} has no tokenizer: a model directory needs its tokenizer files "
+                             f"({', '.join(TOKENIZER_FILES)}) next to the weights")
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(directory), local_files_only=True))
     weights = LazyWeights(directory)
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
@@ -243,6 +264,8 @@ def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False
         model, tokenizer = _load_directory(directory, dtype, gguf)
     except Exception as exc:  # anything unreadable in the directory
         if gguf is None:
+            if isinstance(exc, ModelLoadError):
+                raise
             raise ModelLoadError(f"cannot load the model in {directory}: {cache.brief(exc)}") from exc
         cache.notice(f"the converted model in {directory} is damaged ({cache.brief(exc)}); converting again")
         with cache.build_lock(directory):

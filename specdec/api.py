@@ -76,6 +76,7 @@ class TextResult:
     metrics: GenerationMetrics  # this request's own
     batch_metrics: GenerationMetrics  # the whole batch, with the time breakdown by phase
     prompt_tokens: int = 0
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass
@@ -216,7 +217,8 @@ class TextGenerator:
             rest = streams[i].finish(text)  # held-back text of a row that did not stop there
             if on_text and rest:
                 on_text(i, rest)
-            out.append(TextResult(text, row.token_ids, row.finish_reason, row.metrics, row.batch_metrics, len(prompt)))
+            out.append(TextResult(text, row.token_ids, row.finish_reason, row.metrics, row.batch_metrics, len(prompt),
+                                  row.error))
         return out
 
 

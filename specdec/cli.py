@@ -436,24 +436,30 @@ def _run_generate(args: argparse.Namespace) -> int:
     results = gen.generate(prompts, params, args.max_new_tokens, k=k, seed=args.seed,
                            stop=args.stop, on_text=stream, proposer=proposer or "none", k_max=args.k_max or 8,
                            ngram=(args.ngram_min or 2, args.ngram_max or 4), exit_layer=args.exit_layer)
+    failed = [(i, r.error) for i, r in enumerate(results) if r.finish_reason == "error"]
+    for i, error in failed:
+        print(f"specdec generate: error: prompt {i}: {error}", file=sys.stderr)
     if args.json:
         def one(r):
+            # request_metrics: this request's own acceptance, target calls, TTFT and throughput; phase
+            # times are measured per step for the whole batch, so they are in "metrics" only.
+            own = {key: value for key, value in r.metrics.to_dict().items() if key != "time_breakdown_s"}
             return {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
-                    "prompt_tokens": r.prompt_tokens, "request_metrics": r.metrics.to_dict()}
+                    "prompt_tokens": r.prompt_tokens, "request_metrics": own}
         out = one(results[0]) if len(results) == 1 else {"choices": [one(r) for r in results]}
         out["metrics"] = results[0].batch_metrics.to_dict()
         out["config"] = {"target": gen.target.name, "draft": gen.draft.name if gen.draft else None,
                          "proposer": proposer, "k": k, "dtype": args.dtype, "temperature": args.temperature,
                          "seed": args.seed}
         print(json.dumps(out))
-        return 0
+        return 1 if failed else 0
     if stream is None:
         for i, r in enumerate(results):
             print(f"--- [{i}] ---\n{r.text}")
     else:
         print()
     print(_summary(results[0].batch_metrics.to_dict(), gen, args.dtype, proposer, k), file=sys.stderr)
-    return 0
+    return 1 if failed else 0
 
 
 def _summary(m: dict, gen, dtype: str, proposer: str | None, k) -> str:

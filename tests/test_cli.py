@@ -256,3 +256,28 @@ def test_the_default_proposer_is_the_hybrid_over_whichever_model_is_loaded(capsy
     assert code == 0, err
     assert json.loads(spec)["token_ids"] == json.loads(plain)["token_ids"]
     assert json.loads(spec)["metrics"]["acceptance"]["scored_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("temperature", ["1e-50", "1e-300"])
+def test_a_temperature_too_small_for_fp32_is_greedy_from_the_command_line(capsys, model_dir, temperature):
+    """Server hardening, defect 1: `--temperature 1e-300` failed after loading the model."""
+    base = ["generate", "--target", model_dir, "--prompt", "abc de", "--max-new-tokens", "8", "--json"]
+    code, out, _ = _run(capsys, *base)
+    code2, out2, err = _run(capsys, *base, "--temperature", temperature)
+    assert code == code2 == 0, err
+    assert json.loads(out2)["token_ids"] == json.loads(out)["token_ids"]
+
+
+def test_argparse_errors_are_one_line_and_a_help_hint(capsys):
+    code, out, err = _run(capsys, "serve", "--port", "70000")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and out == ""
+    assert lines == ["specdec serve: error: argument --port: must be in [0, 65535], got 70000",
+                     "(see `specdec serve --help`)"]
+
+
+def test_request_metrics_carry_no_all_zero_time_breakdown(capsys, model_dir):
+    code, out, _ = _run(capsys, "generate", "--target", model_dir, "--prompt", "abc", "--max-new-tokens", "4", "--json")
+    result = json.loads(out)
+    assert code == 0 and "time_breakdown_s" not in result["request_metrics"]
+    assert any(v > 0 for v in result["metrics"]["time_breakdown_s"].values())

@@ -72,3 +72,15 @@ def test_power_of_the_chi_square_test():
     assert abs(chi_square_critical(1, 0.05) - 3.8415) < 1e-3  # the textbook value
     assert abs(power(10, 0.0, 0.01) - 0.01) < 0.002  # no effect: rejects at the level alpha
     assert power(10, 30.0, 0.01) > power(10, 10.0, 0.01) > 0.2  # grows with the effect
+
+
+def test_cli_verify_inconclusive_has_its_own_exit_code(tmp_path, monkeypatch, capsys):
+    """A run whose proposer never drafts cannot reject the negative control: "inconclusive",
+    exit 3 (not 1, which means NOT exact)."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    target = save_hf_dir(hf_tiny("qwen2", seed=0), tmp_path / "target")
+    code = main(["verify", "--target", str(target), "--proposer", "ngram", "--k", "2", "--samples", "300",
+                 "--prompt", "xyz", "--greedy-tokens", "4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == "inconclusive" and out["law"]["drafted"] == 0
+    assert code == 3

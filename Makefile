@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow models venv
+.PHONY: demo test test-slow models venv fuzz soak
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,3 +33,12 @@ test: $(BIN)/.installed
 test-slow: models
 	$(BIN)/python -m pytest -q -m slow; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The server's API fuzzing, long profile (the fast one runs in `make test`): 2,000 bodies per endpoint.
+fuzz: $(BIN)/.installed
+	SPECDEC_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -q tests/test_server_fuzz.py
+
+# Load and soak test of `specdec serve` with locust (loopback, 3 minutes, 16 clients); report in soak-out/.
+soak: models
+	$(BIN)/pip install --quiet -e '.[load]'
+	$(BIN)/python benchmarks/soak/run.py --target smollm2-135m-instruct --minutes 3 --users 16 --out soak-out

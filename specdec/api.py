@@ -27,6 +27,10 @@ from specdec.sampling import SamplingParams
 # head). Measured best on this CPU: over the head alone (docs/BENCHMARKS.md §8) and over the draft
 # model alone (§24: 1.20x against 1.10x plain greedy, 1.33x against 1.17x at T = 0.7).
 DEFAULT_PROPOSER = "hybrid"
+# ... and for a target with neither a draft model nor a draft head: lookup alone (the suffix
+# proposer: copies of the prompt and of earlier outputs), which costs next to nothing when it finds
+# no match, so it never makes decoding much slower than plain.
+LOOKUP_ONLY = "suffix"
 # A draft model computes logits only for this many frequent ids (FR-Spec; heads.frequent_ids):
 # on the 0.5B draft, its output layer shrinks from 151,936 to 65,536 rows (~50 MB fewer bytes per
 # draft token) at the same acceptance on code (docs/BENCHMARKS.md §18). Exact whatever the size:
@@ -101,7 +105,7 @@ class TextGenerator:
         d = loading.load(draft, draft_dtype or dtype) if draft else None
         if d is not None:
             check_compatible(t, d)
-        path = heads.shipped(t.name) if head == "auto" else head
+        path = heads.shipped(target) if head == "auto" else head  # matched by the GGUF's sha256, not its name
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"no draft head at {path}")
         gen = cls(t, d, head_path=Path(path) if path else None)
@@ -128,7 +132,7 @@ class TextGenerator:
                 raise ValueError("proposer 'draft' needs a draft model (draft=NAME_OR_PATH)")
             model, ids = self.draft.model, None
             if model.vocab_size > DRAFT_VOCAB:
-                ids = heads.frequent_ids(self.target.name, model.vocab_size, DRAFT_VOCAB)
+                ids = heads.frequent_ids(self.head_path, model.vocab_size, DRAFT_VOCAB)
                 model = model.with_output_rows(heads.output_rows(self.draft, ids))
                 loading.release_freed_memory()
             self._draft_view = (model, ids)
@@ -230,7 +234,22 @@ def resolve_proposer(requested: str | None, *, draft: bool, head: bool) -> str |
         return None
     if requested is not None:
         return requested
-    return DEFAULT_PROPOSER if draft or head else None
+    return DEFAULT_PROPOSER if draft or head else LOOKUP_ONLY
+
+
+def why_proposer(requested: str | None, proposer: str | None, *, draft: bool, head: bool) -> str:
+    """One line for stderr: which proposer runs, and why (the user's choice or the default)."""
+    if proposer is None:
+        return "plain decoding (--proposer none)" if requested == "none" else "plain decoding"
+    if requested is not None:
+        backing = hybrid_model(proposer, draft=draft, head=head)
+        return f"proposer {proposer}" + (f" (lookup, else the {backing})" if backing else "") + " (as asked)"
+    if draft:
+        return "proposer hybrid: lookup where the text repeats, else the draft model (the default with --draft)"
+    if head:
+        return "proposer hybrid: lookup where the text repeats, else the target's draft head (the default)"
+    return (f"no draft head for this target: proposer {LOOKUP_ONLY} (lookup only, nearly free); "
+            "`specdec train-head` makes a head, --proposer none decodes plainly")
 
 
 def hybrid_model(kind: str | None, *, draft: bool, head: bool) -> str | None:

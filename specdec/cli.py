@@ -102,7 +102,8 @@ def _run_models(args: argparse.Namespace) -> int:
                      "description": spec.description, "path": str(converted if status == "ready" else spec.gguf_path)})
     from specdec.models import heads
 
-    for target_name, file_name in heads.SHIPPED.items():
+    for sha256, file_name in heads.SHIPPED.items():
+        target_name = next((m.name for m in registry.MODELS.values() if m.sha256 == sha256), f"sha256 {sha256[:12]}…")
         path = heads.shipped(target_name)
         rows.append({"name": file_name.removesuffix(".safetensors"), "aliases": [], "role": "draft head",
                      "status": "shipped" if path else "missing",
@@ -310,6 +311,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                          exit_layer=args.exit_layer, max_batch=args.max_batch, max_queue=args.max_queue,
                          max_model_len=args.max_model_len, seed=args.seed, max_request_bytes=args.max_request_bytes)
     gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
+    print(args.proposer_line, file=sys.stderr)
     limit = gen.target.model.cfg.max_position_embeddings
     if args.max_model_len > limit:
         raise UsageError(f"--max-model-len {args.max_model_len} exceeds {gen.target.name}'s context length {limit}")
@@ -369,8 +371,7 @@ def _check_generate_options(args: argparse.Namespace) -> str | None:
         raise UsageError("--proposer draft needs --draft NAME_OR_PATH")
     if args.draft and args.proposer not in (None, "draft", "hybrid"):
         raise UsageError(f"--draft has no effect with --proposer {args.proposer}")
-    spec = registry.resolve(args.target)
-    has_head = args.head is not None or (spec is not None and heads.shipped(spec.name) is not None)
+    has_head = args.head is not None or heads.shipped(args.target) is not None
     proposer = resolve_proposer(args.proposer, draft=bool(args.draft), head=has_head)
     backing = hybrid_model(proposer, draft=bool(args.draft), head=has_head)
     early_exit = proposer == "early-exit" or backing == "early-exit"
@@ -392,6 +393,9 @@ def _check_generate_options(args: argparse.Namespace) -> str | None:
             raise UsageError(f"{flag} has no effect without {needs}")
     if (args.ngram_min or 2) > (args.ngram_max or 4):
         raise UsageError(f"--ngram-min ({args.ngram_min or 2}) must be <= --ngram-max ({args.ngram_max or 4})")
+    from specdec.api import why_proposer
+
+    args.proposer_line = f"specdec: {why_proposer(args.proposer, proposer, draft=bool(args.draft), head=has_head)}"
     return proposer
 
 
@@ -431,6 +435,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     texts = _read_prompts(args.prompt)
     k = (args.k if args.k is not None else "auto") if proposer else 0
     gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
+    print(args.proposer_line, file=sys.stderr)
     prompts = [gen.encode(t, args.chat, args.system) for t in texts]
     stream = _print_text if not args.json and len(prompts) == 1 else None
     results = gen.generate(prompts, params, args.max_new_tokens, k=k, seed=args.seed,

@@ -51,7 +51,6 @@ def _one_line(err: str) -> str:
         (["--top-p", "0"], "top_p must be in"),
         (["--top-k", "-3"], "top_k must be"),
         (["--min-p", "2"], "min_p must be in"),
-        (["--k", "5"], "--k has no effect without a proposer"),
         (["--system", "be brief"], "--system has no effect without --chat"),
         (["--draft-dtype", "float32"], "--draft-dtype has no effect without --draft"),
         (["--exit-layer", "2"], "--exit-layer has no effect without --proposer early-exit"),
@@ -245,7 +244,7 @@ def test_the_default_proposer_is_the_hybrid_over_whichever_model_is_loaded(capsy
     assert hybrid_model("hybrid", draft=True, head=True) == "draft"
     assert resolve_proposer(None, draft=False, head=True) == "hybrid"
     assert hybrid_model("hybrid", draft=False, head=True) == "head"
-    assert resolve_proposer(None, draft=False, head=False) is None
+    assert resolve_proposer(None, draft=False, head=False) == "suffix"  # no model to draft with: lookup only
     assert resolve_proposer("none", draft=True, head=True) is None
     # From the command line: --draft with no proposer speculates (n-gram lookup on this
     # repetitive prompt) and gives plain decoding's greedy tokens.

@@ -136,3 +136,37 @@ def test_the_hybrids_lookup_side_is_the_suffix_proposers_chains(hf_dir):
     plain = gen.generate([prompt], loading_params(), 16, proposer="none")[0]
     spec = gen.generate([prompt], loading_params(), 16, proposer="hybrid")[0]
     assert spec.token_ids == plain.token_ids
+
+
+def test_a_shipped_head_follows_the_model_not_its_name(tmp_path, monkeypatch):
+    """Heads are matched by the GGUF's sha256: the same file under any path gets the head (it
+    used to be keyed by registry name, so the registry's own file by its path got plain
+    decoding); a different file does not. The hash is computed once per (path, size, mtime)."""
+    import hashlib
+
+    from specdec.models import heads, registry
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    data = b"GGUF" + bytes(range(256)) * 64
+    a, b, other = tmp_path / "a.gguf", tmp_path / "copy" / "b.gguf", tmp_path / "other.gguf"
+    b.parent.mkdir()
+    a.write_bytes(data)
+    b.write_bytes(data)
+    other.write_bytes(data + b"x")
+    head_file = next(iter(heads.SHIPPED.values()))
+    monkeypatch.setattr(heads, "SHIPPED", {hashlib.sha256(data).hexdigest(): head_file})
+    assert heads.shipped(str(a)) is not None and heads.shipped(str(a)) == heads.shipped(str(b))
+    assert heads.shipped(str(other)) is None
+    assert heads.shipped(str(tmp_path)) is None  # a directory: no GGUF identity
+    calls = []
+    monkeypatch.setattr(registry, "sha256_of", lambda path: calls.append(path) or "0" * 64)
+    heads.identity(str(a))
+    assert calls == []  # answered from the memo
+
+
+def test_the_registry_target_and_its_shipped_head_agree():
+    from specdec.models import heads, registry
+
+    spec = registry.resolve("qwen2.5-coder-1.5b-instruct")
+    assert heads.SHIPPED[spec.sha256] == "qwen2.5-coder-1.5b-instruct.head.safetensors"
+    assert heads.shipped("qwen2.5-coder-1.5b-instruct") is not None

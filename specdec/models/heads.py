@@ -15,29 +15,56 @@ import torch
 from specdec.models.loading import LazyWeights, LoadedModel, release_freed_memory
 from specdec.proposers.head import DraftHead, read_head
 
-# Target registry name -> the head file shipped in specdec/heads/ (trained by `specdec train-head`).
-SHIPPED = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b-instruct.head.safetensors"}
+# The sha256 of the GGUF file a shipped head was trained on -> its file in specdec/heads/ (made by
+# `specdec train-head`). A head follows the model, not its name: the registry's Qwen2.5-Coder-1.5B
+# and the very same file given by its path get the same head.
+SHIPPED = {"cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046":
+           "qwen2.5-coder-1.5b-instruct.head.safetensors"}
 
 
-def shipped(target_name: str) -> Path | None:
-    """The head shipped for a registry target, if there is one."""
-    name = SHIPPED.get(target_name)
+def identity(name_or_path: str) -> str | None:
+    """The identity heads are matched by: the sha256 of the target's GGUF file (a registry
+    model's pinned one; a .gguf path's own, hashed once and cached by path, size and mtime), or
+    None for anything else (a Hugging Face directory has no shipped head)."""
+    from specdec.models import cache, registry
+
+    spec = registry.resolve(name_or_path)
+    if spec is not None:
+        return spec.sha256
+    path = Path(name_or_path).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return None
+    memo = registry.home() / "sha256" / f"{path.stem}-{cache.fingerprint([path], str(path.resolve()))}"
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    digest = registry.sha256_of(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_atomic(memo, lambda tmp: tmp.write_text(digest))
+    return digest
+
+
+def shipped(name_or_path: str) -> Path | None:
+    """The head shipped for this target (a registry name or a .gguf path, matched by the file's
+    sha256), if there is one."""
+    name = SHIPPED.get(identity(name_or_path) or "")
     if name is None:
         return None
     path = Path(str(resources.files("specdec.heads") / name))
     return path if path.is_file() else None
 
 
-def frequent_ids(target_name: str, vocab_size: int, size: int) -> torch.Tensor:
+def frequent_ids(head: Path | None, vocab_size: int, size: int) -> torch.Tensor:
     """``size`` token ids, sorted, for a draft that drafts only likely tokens (FR-Spec): the
-    frequency-ranked subset of the head shipped for ``target_name`` (ranked on its training
+    frequency-ranked subset of the target's draft head ``head`` (ranked on its training
     text), then the lowest ids — byte-level BPE numbers tokens in the order it merged them, so
     low ids are the tokens most frequent in the tokenizer's own (multilingual) training text.
     Coverage of the target's greedy tokens on the bench's answers, measured: docs/BENCHMARKS.md §18."""
     from safetensors import safe_open
 
     size = min(size, vocab_size)
-    path = shipped(target_name)
+    path = head
     chosen: set[int] = set()
     if path is not None:
         with safe_open(str(path), "pt") as f:

@@ -170,8 +170,14 @@ def _add_train_head(sub: argparse._SubParsersAction) -> None:
                    "on those answers (default: 0, off)")
     p.add_argument("--finetune-steps", type=_int_at_least(0), default=0, help="stage 2 fine-tuning steps (default: 0)")
     p.add_argument("--init-head", default=None, metavar="FILE",
-                   help="start stage 2 from this head (made earlier for the same target and dtype) instead of "
-                        "running stage 1; needs --answer-batches and --finetune-steps")
+                   help="start from this head (made earlier for the same target): with --answer-batches and "
+                        "--finetune-steps, stage 2 (own answers); without them, train it further on the corpus "
+                        "and evaluate it before and after on held-out ShareGPT conversations")
+    p.add_argument("--label-top-k", type=_int_at_least(0), default=0,
+                   help="train on the target's top-k probabilities with the loss computed only at trained slots "
+                        "(faster; 0: the full distribution over the head's vocabulary, the default)")
+    p.add_argument("--answers-only", action="store_true",
+                   help="train only the slots that predict an assistant's token (needs --label-top-k)")
     p.set_defaults(func=_run_train_head)
 
 
@@ -191,7 +197,8 @@ def _run_train_head(args: argparse.Namespace) -> int:
         raise UsageError("--out must end in .safetensors")
     gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
     cfg = TrainConfig(vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, passes=args.passes,
-                      steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed)
+                      steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed,
+                      label_top_k=args.label_top_k, answers_only=args.answers_only)
     workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, args.dtype)
     root = Path(args.corpus_root) if args.corpus_root else None
     if root is not None and not root.is_dir():
@@ -205,8 +212,8 @@ def _run_train_head(args: argparse.Namespace) -> int:
     init = Path(args.init_head) if args.init_head else None
     if init is not None and not init.is_file():
         raise UsageError(f"--init-head {init} is not a file")
-    if init is not None and not args.answer_batches:
-        raise UsageError("--init-head starts stage 2: give --answer-batches and --finetune-steps too")
+    if args.answers_only and not args.label_top_k:
+        raise UsageError("--answers-only needs --label-top-k")
     card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
                args.answer_batches, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,
                source=source, seq_len=seq_len, extract_only=args.extract_only)

@@ -220,8 +220,17 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     assert card2["init_head"]["sha256"] == card["sha256"]
     assert card2["command"].startswith(card["command"] + "; then specdec train-head")
     assert card2["finetune"]["own_answer_sequences"] >= 2 and card2["finetune"]["corpus_mixed_in"] == 0
-    code, _, err = _run(capsys, "train-head", "--target", str(model), "--out", str(out2), "--init-head", str(out))
-    assert code == 2 and "--answer-batches" in err
+    # stage 1 from the head just made: trained further on the corpus (top-k labels), evaluated before and after
+    out3 = tmp_path / "head3.safetensors"
+    code, _, err = _run(capsys, "train-head", "--target", str(model), "--dtype", "float32", "--out", str(out3),
+                        "--tokens", "20000", "--corpus-root", str(sources), "--workdir", str(tmp_path / "work"),
+                        "--init-head", str(out), "--steps", "3", "--batch", "2", "--passes", "2", "--label-top-k", "8")
+    assert code == 0, err
+    card3 = json.loads(out3.with_suffix(".json").read_text())
+    assert card3["init_head"]["sha256"] == card["sha256"] and len(card3["final_losses"]) == 2
+    assert len(card3["held_out_eval"]["before"]["greedy"]) == len(card3["held_out_eval"]["after"]["greedy"]) == 2
+    code, _, err = _run(capsys, "train-head", "--target", str(model), "--out", str(out2), "--answers-only")
+    assert code == 2 and "--label-top-k" in err
 
     base = ["generate", "--target", str(model), "--dtype", "float32", "--prompt", "def f(x):", "--max-new-tokens", "12",
             "--json"]

@@ -296,3 +296,28 @@ def test_vocab_subset_ranks_by_frequency_and_keeps_end_ids():
     rows = [torch.tensor([5, 5, 5, 7, 7, 9, -1]), torch.tensor([7, 5, 2])]
     assert vocab_subset(rows, 3, {90}, 97).tolist() == [5, 7, 90]
     assert vocab_subset(rows, 6, set(), 97).tolist() == [0, 1, 2, 5, 7, 9]
+
+
+def test_top_k_loss_with_every_id_equals_the_full_soft_label_loss(fp32_target):
+    """The fast loss (top-k labels, computed only at valid slots) with k = the whole subset is
+    the full distillation loss: logsumexp(z) - sum p z == -sum p log softmax(z), slot for slot."""
+    from specdec.training.train import pass_losses, pass_losses_top_k
+
+    data = _dataset(fp32_target, _corpus(fp32_target, 4, 20, seed=7))
+    net = _net(fp32_target, vocab=SUBSET, seed=2)
+    tokens, feats, lengths = data.batch([0, 1, 2, 3])
+    full = pass_losses(net, tokens, feats, lengths, 3)
+    fast = pass_losses_top_k(net, tokens, feats, lengths, 3, SUBSET)
+    for a, b in zip(full, fast):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # both under bf16 autocast
+    # negative control: a truncated label set is a different (larger-entropy-gap) objective
+    assert abs(float(pass_losses_top_k(net, tokens, feats, lengths, 3, 2)[0].detach()) - float(full[0].detach())) > 1e-3
+
+
+def test_answer_mask_covers_each_answer_and_its_end_token():
+    from specdec.training.train import answer_mask
+
+    header, end = [1, 2], 7
+    tokens = torch.tensor([[5, 1, 2, 9, 9, 7, 8, 1, 2, 3, 7, -1], [9] * 12])
+    mask = answer_mask(tokens, header, {end})
+    assert mask.int().tolist() == [[0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0], [0] * 12]

@@ -64,6 +64,10 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     model = target.model
     full_rows = heads.output_rows(target)  # [V, E] the target's output layer in fp32
     sources = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}
+    if init_head is not None and not (answer_batches and finetune_steps):
+        card = _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_rows, init_head, encode_chat,
+                                   source, seq_len, out)
+        return card
     if init_head is None:
         card, net, dataset, train_ids = _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages,
                                                 workdir / _features_dir(source, seq_len))
@@ -158,6 +162,86 @@ def _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages, f
         "stages": stages,
     }
     return card, net, dataset, train_ids
+
+
+def answer_header(encode_chat) -> list[int]:
+    """The chat template's assistant header (e.g. ``<|im_start|>assistant\n``): what a generation
+    prompt adds to a conversation."""
+    convo = [{"role": "user", "content": "x"}]
+    with_prompt, without = encode_chat(convo), encode_chat(convo, add_generation_prompt=False)
+    if with_prompt[: len(without)] != without or len(with_prompt) == len(without):
+        raise ValueError("cannot find the chat template's assistant header")
+    return with_prompt[len(without):]
+
+
+def held_out_sharegpt(target, workdir: Path, encode_chat, seq_len: int, tokens: int = 24_000) -> Dataset:
+    """Features of the held-out ShareGPT conversations (a split by conversation id: never trained
+    on), about ``tokens`` of them; extracted once into the work directory."""
+    from specdec.training import sharegpt
+
+    path = workdir / f"held-out-sharegpt-{seq_len}.json"
+    if path.exists():
+        data = corpus.load(path)
+    else:
+        data = sharegpt.build(lambda msgs: encode_chat(msgs, add_generation_prompt=False), seq_len, tokens,
+                              split="held_out")
+        corpus.save(data, path)
+    directory = workdir / f"features-sharegpt-{seq_len}-held-out"
+    features.extract(target.model, data["sequences"], directory)
+    return Dataset(features.load_shards(directory))
+
+
+def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_rows, init_head, encode_chat, source,
+                        seq_len, out) -> dict:
+    """Stage 1 from an existing head (``init_head``, same target): train it further on the
+    corpus's features (top-k labels, answers only when ``cfg.answers_only``), then evaluate the
+    head before and after on held-out ShareGPT conversations; returns the card."""
+    model = target.model
+    head_cfg, state, vocab_ids, old_card = read_head(init_head)
+    if head_cfg.target_vocab_size != model.vocab_size or head_cfg.hidden_size != model.cfg.hidden_size:
+        raise ValueError(f"init_head {init_head} was trained for another target")
+    net = HeadNet(head_cfg, vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], cfg.seed)
+    net.load_export(state)
+    feature_dir = workdir / _features_dir(source, seq_len)
+    t = time.perf_counter()
+    features.extract(model, sequences, feature_dir)
+    extract_s = time.perf_counter() - t
+    shards = features.load_shards(feature_dir)[: (len(sequences) + features.SHARD - 1) // features.SHARD]
+    dataset = Dataset(shards)
+    header = answer_header(encode_chat) if cfg.answers_only else None
+    if source == "sharegpt":  # held out by conversation, never trained on
+        held, train_ids = held_out_sharegpt(target, workdir, encode_chat, seq_len), list(range(len(dataset)))
+        held_ids = list(range(len(held)))
+    else:
+        held = dataset
+        train_ids, held_ids = split(len(dataset), cfg.held_out_every)
+    before = evaluate(net, held, held_ids, cfg.passes, full_rows, answer_header=header, ends=eos_ids)
+    log = train(net, dataset, train_ids, cfg, workdir / f"finetune-{source}-{seq_len}.pt",
+                answer_header=header, ends=eos_ids)
+    write_json(workdir / f"losses-{source}-{seq_len}.json", log)
+    after = evaluate(net, held, held_ids, cfg.passes, full_rows, answer_header=header, ends=eos_ids)
+    card = {
+        "target": target.name, "target_dtype": model.dtype_name, "train_config": asdict(cfg),
+        "init_head": {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest(),
+                      "card": {k: old_card.get(k) for k in ("corpus", "held_out", "finetune") if k in old_card}},
+        "corpus": {k: v for k, v in data["manifest"].items() if k != "sources"} | {
+            "sequences_used": len(train_ids), "train_tokens": sum(dataset.rows[i][0].shape[0] for i in train_ids)},
+        "training_seconds": round(log["seconds"], 1), "extract_seconds_this_run": round(extract_s, 1),
+        "final_losses": log["loss"][-1] if log["loss"] else None,
+        "held_out_eval": {"set": "ShareGPT held-out conversations" if source == "sharegpt" else
+                          f"every {cfg.held_out_every}th corpus sequence", "sequences": len(held_ids),
+                          "answers_only": header is not None, "before": before, "after": after},
+    }
+    card["held_out"] = after
+    card["command"] = (f"specdec train-head --target {target.name} --dtype {model.dtype_name} --corpus {source} "
+                       f"--seq-len {seq_len} --sequences {len(sequences)} --init-head {init_head.name} "
+                       f"--steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr} --label-top-k {cfg.label_top_k}"
+                       + (" --answers-only" if cfg.answers_only else "") + f" --out {out.name}")
+    save_head(out, net.cfg, net.export(), net.vocab_ids, card)
+    card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
+    card["bytes"] = out.stat().st_size
+    write_json(out.with_suffix(".json"), card)
+    return card
 
 
 def _stage1_command(target, max_tokens, max_sequences, cfg) -> str:

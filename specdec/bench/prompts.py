@@ -14,13 +14,11 @@ COPY_PROMPT = ("Copy the list below exactly, then stop.\n"
                "List: apple, banana, cherry, grape, lemon, mango, orange, peach, pear, plum, quince, raspberry\n"
                "Copy: apple, banana, cherry, grape, lemon,")
 
-# Random digits (seed 2026): every pair of digits occurs in the prompt, so a lookup proposer
-# drafts at every step, and the target's next digit is uncertain, so many drafts are rejected.
+# Random digits (seed 2026): most pairs of digits occur in the prompt, so a lookup proposer
+# drafts at most steps, and the target's next digit is uncertain, so many drafts are rejected.
 # `specdec verify`'s law test needs both: drafts to verify, and rejections for its negative
 # control (a wrong residual) to show. On the copying prompt above the lookup's drafts are
 # accepted ~99% of the time and the control cannot be told apart.
 DIGITS_PROMPT = ("Continue this list of random digits:\n"
                  "1 5 8 8 1 3 9 9 8 6 9 8 7 9 7 3 0 9 1 1 4 1 7 0 7 5 3 6 4 5 5 6 8 1 5 1 8 8 4 4 7 2 9 4 0 5 5 7 "
-                 "6 1 6 9 8 7 1 6 8 9 7 6 8 4 6 9 7 8 8 0 9 3 2 0 8 1 9 6 7 2 7 3 1 7 7 8 4 8 6 4 8 8 7 6 6 3 4 4 "
-                 "0 0 2 9 7 8 7 5 3 4 7 7 8 7 6 8 0 4 5 7 1 7 8 4 7 2 6 7 1 4 7 5 1 3 6 2 7 0 1 0 7 9 8 1 9 3 3 1 "
-                 "9 0 8 4 5 2 0 5 9 9 7 2 8 3 7 9")
+                 "6 1 6 9 8 7 1 6 8 9 7 6 8 4 6 9 7 8 8 0")  # short: the law test prefills it once per sample

@@ -215,11 +215,13 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
     else:
         held = dataset
         train_ids, held_ids = split(len(dataset), cfg.held_out_every)
-    before = evaluate(net, held, held_ids, cfg.passes, full_rows, answer_header=header, ends=eos_ids)
+    # batch 1: the target's full-vocabulary p of a 1,024-token window is 0.6 GB in fp32 (batch 4
+    # with its temporaries was killed for memory on a 24 GB machine)
+    before = evaluate(net, held, held_ids, cfg.passes, full_rows, batch=1, answer_header=header, ends=eos_ids)
     log = train(net, dataset, train_ids, cfg, workdir / f"finetune-{source}-{seq_len}.pt",
                 answer_header=header, ends=eos_ids)
     write_json(workdir / f"losses-{source}-{seq_len}.json", log)
-    after = evaluate(net, held, held_ids, cfg.passes, full_rows, answer_header=header, ends=eos_ids)
+    after = evaluate(net, held, held_ids, cfg.passes, full_rows, batch=1, answer_header=header, ends=eos_ids)
     card = {
         "target": target.name, "target_dtype": model.dtype_name, "train_config": asdict(cfg),
         "init_head": {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest(),

@@ -454,12 +454,8 @@ class Engine:
         """End ``row`` with finish_reason "error" and ``message``; it commits nothing more and
         leaves the batch at the next step."""
         if not row.done:
-            row.done = True
-            row.result.finish_reason = "error"
             row.result.error = message
-            row.result.metrics.timings.total = time.perf_counter() - row.added_at
-        if row in self.waiting:
-            self.waiting.remove(row)
+        self.cancel(row, "error")
 
     def _record(self, proposal: Proposal, result) -> None:
         """Per-row acceptance bookkeeping (one tolist per quantity, no per-row tensor ops) and

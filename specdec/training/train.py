@@ -118,9 +118,8 @@ def answer_mask(tokens: torch.Tensor, header: list[int], ends: set[int]) -> torc
     ``<|im_start|>assistant\n``) up to and including the end-of-turn token (one of ``ends``), which
     the head must learn to draft too."""
     n = len(header)
-    out = torch.zeros(tokens.shape, dtype=torch.bool)
     if n == 0 or tokens.shape[1] < n:
-        return out
+        return torch.zeros(tokens.shape, dtype=torch.bool)
     hdr = torch.tensor(header)
     windows = tokens.unfold(1, n, 1)  # [B, L-n+1, n]
     starts = (windows == hdr).all(-1)  # [B, L-n+1] a header begins here
@@ -152,7 +151,7 @@ def pass_losses_top_k(net: HeadNet, tokens, feats, lengths, passes: int, k: int,
     slots = torch.arange(tokens.shape[1] - 1)
     inside = slots.view(1, -1) + 1 < lengths.view(-1, 1)  # [B, L-1] a label exists
     if trained is not None:
-        inside = inside & F_pad_shift(trained)
+        inside = inside & _slots_learned(trained)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with torch.no_grad():
             label_rows = feats[:, 1:][inside]  # [n, E] features of the labelled slots
@@ -174,7 +173,7 @@ def pass_losses_top_k(net: HeadNet, tokens, feats, lengths, passes: int, k: int,
     return losses
 
 
-def F_pad_shift(trained: torch.Tensor) -> torch.Tensor:
+def _slots_learned(trained: torch.Tensor) -> torch.Tensor:
     """``[B, L]`` positions learned -> ``[B, L-1]`` slots learned: slot i predicts position i+2."""
     out = torch.zeros(trained.shape[0], trained.shape[1] - 1, dtype=torch.bool)
     out[:, :-1] = trained[:, 2:]
@@ -258,7 +257,7 @@ def evaluate(net: HeadNet, data: Dataset, ids: list[int], passes: int, full_rows
         slots = torch.arange(tokens.shape[1] - 1)
         inside = slots.view(1, -1) + 1 < lengths.view(-1, 1)
         if answer_header:
-            inside = inside & F_pad_shift(answer_mask(tokens, answer_header, ends or set()))
+            inside = inside & _slots_learned(answer_mask(tokens, answer_header, ends or set()))
         covered += int((subset[top] & inside).sum())
         total += int(inside.sum())
         for m, out in enumerate(net.passes(feats, tokens, passes), start=1):

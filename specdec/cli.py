@@ -531,17 +531,12 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def _run_profile(args: argparse.Namespace) -> int:
     from specdec.api import TextGenerator
     from specdec.bench.profile import format_profile, profile
-    from specdec.bench.prompts import CODE_PROMPTS
+    from specdec.bench.prompts import LOOKUP_METHODS, verify_prompts
     from specdec.sampling import SamplingParams
 
     proposer = args.proposer or ("draft" if args.draft else "ngram")
     params = SamplingParams(temperature=args.temperature)  # validated before loading
-    # The law test samples the first prompt's continuation: a lookup proposer drafts only where
-    # the text repeats, so for those the built-in prompts start with one whose every digit pair
-    # repeats (drafts at every step, often rejected: the negative control can show); the copying
-    # prompt exercises long accepted drafts in the greedy identity check.
-    lookup = proposer in ("ngram", "suffix", "hybrid", "hybrid-tree", "hybrid-head")
-    builtin = [DIGITS_PROMPT, *CODE_PROMPTS, COPY_PROMPT] if lookup else [*CODE_PROMPTS, COPY_PROMPT, DIGITS_PROMPT]
+    builtin = verify_prompts(lookup=proposer in LOOKUP_METHODS)
     texts = _read_prompts(args.prompt or builtin)
     gen = TextGenerator.load(args.target, args.draft, args.dtype, head=args.head or "auto")
     prompts = [gen.encode(t, chat=args.chat or not args.prompt) for t in texts]
@@ -647,7 +642,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
 def _run_verify(args: argparse.Namespace) -> int:
     from specdec.api import TextGenerator
-    from specdec.bench.prompts import CODE_PROMPTS, COPY_PROMPT, DIGITS_PROMPT
+    from specdec.bench.prompts import LOOKUP_METHODS, verify_prompts
     from specdec.exactness import format_report, verify_deployment
     from specdec.sampling import SamplingParams
 
@@ -659,12 +654,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     if args.temperature <= 0:
         raise UsageError(f"--temperature must be > 0 for the law test, got {args.temperature}")
     SamplingParams(args.temperature, args.top_k)  # range checks before loading
-    # The law test samples the first prompt's continuation: a lookup proposer drafts only where
-    # the text repeats, so for those the built-in prompts start with one whose every digit pair
-    # repeats (drafts at every step, often rejected: the negative control can show); the copying
-    # prompt exercises long accepted drafts in the greedy identity check.
-    lookup = proposer in ("ngram", "suffix", "hybrid", "hybrid-tree", "hybrid-head")
-    builtin = [DIGITS_PROMPT, *CODE_PROMPTS, COPY_PROMPT] if lookup else [*CODE_PROMPTS, COPY_PROMPT, DIGITS_PROMPT]
+    builtin = verify_prompts(lookup=proposer in LOOKUP_METHODS)
     texts = _read_prompts(args.prompt or builtin)
     gen = TextGenerator.load(args.target, args.draft, args.dtype)
     prompts = [gen.encode(t, args.chat) for t in texts]

@@ -84,3 +84,35 @@ def test_cli_verify_inconclusive_has_its_own_exit_code(tmp_path, monkeypatch, ca
     out = json.loads(capsys.readouterr().out)
     assert out["verdict"] == "inconclusive" and out["law"]["drafted"] == 0
     assert code == 3
+
+
+def test_the_lookup_law_prompt_drafts_at_every_step_with_an_uncertain_next_symbol():
+    """`specdec verify` samples the first built-in prompt's continuation. For a lookup method it must
+    be BRANCH_PROMPT, where every symbol bigram has occurred before (an n-gram or suffix lookup
+    drafts at once and after either next symbol) and each symbol has been followed by both symbols
+    (the text itself does not decide the next one, so the target is uncertain and drafts get
+    rejected: the negative control can show). On smollm2-135m this gives "exact" with the control
+    rejected at p ~ 1e-69 (the slow tier runs it)."""
+    from specdec.bench.prompts import BRANCH_PROMPT, COPY_PROMPT, LOOKUP_METHODS, verify_prompts
+
+    symbols = BRANCH_PROMPT.split()
+    assert set(symbols) == {"a", "b"}
+    pairs = list(zip(symbols, symbols[1:]))
+    assert set(pairs) == {("a", "a"), ("a", "b"), ("b", "a"), ("b", "b")}
+    for nxt in "ab":  # whatever comes next, the last bigram (the lookup's key) has occurred before
+        assert (symbols[-1], nxt) in pairs[:-1] and tuple(symbols[-2:]) in pairs[:-1]
+    for method in LOOKUP_METHODS:
+        assert verify_prompts(lookup=method in LOOKUP_METHODS)[0] == BRANCH_PROMPT
+    assert verify_prompts(lookup=False)[0] != BRANCH_PROMPT and COPY_PROMPT in verify_prompts(lookup=False)
+
+
+def test_cli_profile_runs_on_its_built_in_prompts(tmp_path, monkeypatch, capsys):
+    """`specdec profile` with no --prompt (a lookup method: BRANCH_PROMPT first) prints its table."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    target = save_hf_dir(hf_tiny("qwen2", seed=0), tmp_path / "target")
+    config = json.loads((target / "tokenizer_config.json").read_text())  # built-in prompts are chat
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    code = main(["profile", "--target", str(target), "--proposer", "ngram", "--max-new-tokens", "6", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0 and json.loads(out)

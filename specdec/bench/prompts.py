@@ -14,11 +14,25 @@ COPY_PROMPT = ("Copy the list below exactly, then stop.\n"
                "List: apple, banana, cherry, grape, lemon, mango, orange, peach, pear, plum, quince, raspberry\n"
                "Copy: apple, banana, cherry, grape, lemon,")
 
-# Random digits (seed 2026): most pairs of digits occur in the prompt, so a lookup proposer
-# drafts at most steps, and the target's next digit is uncertain, so many drafts are rejected.
-# `specdec verify`'s law test needs both: drafts to verify, and rejections for its negative
-# control (a wrong residual) to show. On the copying prompt above the lookup's drafts are
-# accepted ~99% of the time and the control cannot be told apart.
-DIGITS_PROMPT = ("Continue this list of random digits:\n"
-                 "1 5 8 8 1 3 9 9 8 6 9 8 7 9 7 3 0 9 1 1 4 1 7 0 7 5 3 6 4 5 5 6 8 1 5 1 8 8 4 4 7 2 9 4 0 5 5 7 "
-                 "6 1 6 9 8 7 1 6 8 9 7 6 8 4 6 9 7 8 8 0")  # short: the law test prefills it once per sample
+# Two symbols in an irregular order: every bigram repeats, so a lookup proposer drafts at every
+# step, and the target's next symbol is uncertain (smollm2-135m at T=0.8, top-3: p(" a") ~0.6-0.7,
+# p(" b") ~0.2-0.3 at each of the first 4 tokens), so drafts lie inside the target's support with
+# 0 < p < 1 and about half are rejected. `specdec verify`'s law test needs exactly that: on the copying
+# prompt above the lookup's drafts are accepted ~99% of the time, and on a list of random digits
+# they fall outside the top-k (p = 0, where the right and the wrong residual coincide), so in both
+# cases its negative control (a wrong residual) cannot be told apart.
+BRANCH_PROMPT = "a b a b b a b a a b a b b a b"  # short: the law test prefills it once per sample
+
+
+# The methods that draft by looking the text up (alone or inside a hybrid).
+LOOKUP_METHODS = ("ngram", "suffix", "hybrid", "hybrid-tree", "hybrid-head")
+
+
+def verify_prompts(lookup: bool) -> list[str]:
+    """The built-in prompts of `specdec verify` and `specdec profile`, in order. The law test samples
+    the FIRST prompt's continuation, so a lookup method starts with BRANCH_PROMPT (drafts at every
+    step, inside the target's support, about half rejected: the negative control can show); the
+    copying prompt exercises long accepted drafts in the greedy identity check."""
+    if lookup:
+        return [BRANCH_PROMPT, *CODE_PROMPTS, COPY_PROMPT]
+    return [*CODE_PROMPTS, COPY_PROMPT, BRANCH_PROMPT]

@@ -19,7 +19,7 @@ and the median of the per-round ratios to plain decoding.
 Every (round, method, clients) result is appended to ``runs.jsonl`` in ``--out`` as soon as it
 is measured and skipped on a rerun (resumable); ``report.md`` is written at the end.
 
-    .venv/bin/python benchmarks/serve_bench.py --out docs/bench-serve
+    .venv/bin/python benchmarks/serve_bench.py --out serve-out
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every level, methods interleaved")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench-serve"))
+    ap.add_argument("--out", type=Path, default=Path("serve-out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "runs.jsonl"

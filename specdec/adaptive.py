@@ -24,7 +24,7 @@ chosen, nothing would be learned about acceptance, so every ``probe_every`` step
 ``probe_k`` drafts is taken to keep the estimates fresh. One draft is enough for that (the first
 position decides whether speculation resumes) and costs least: in a simulation of this
 controller with a draft model at 0.3 of a target step whose drafts are never accepted, probes of
-two drafts lost 8% against plain decoding and probes of one 4-5% (docs/BENCHMARKS.md §21).
+two drafts lost 8% against plain decoding and probes of one 4-5% (docs/CHANGELOG.md, 'joining request's prefill').
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ class ShapeRace:
     second guesses are right on this text, what an extra scored node costs on this machine in its
     current state (~2 ms, 10-16% of a step, when memory is fast: the 4-bit kernel is then
     compute-bound) and what drafting the levels costs. Measured on answers that end at the end of
-    the turn, the head's trees ran at 0.90x of its chains greedy (docs/BENCHMARKS.md §20), while on
+    the turn, the head's trees ran at 0.90x of its chains greedy (docs/CHANGELOG.md, 'all layers in one call'), while on
     copy-heavy edits trees win. So the engine measures both: per shape, an exponential average of
     tokens committed and of seconds spent (drafting, target call, verification) per step, and the
     rate is their ratio (renewal-reward, as :class:`AdaptiveK`). Each shape is tried first; then

@@ -24,8 +24,9 @@ from specdec.sampling import SamplingParams
 
 # What speculates when the caller names no proposer: the hybrid (lookup where the text repeats
 # itself — the suffix proposer's copy, drafted as chains: copy_lookup — else the model side: the draft model if one is loaded, else the target's draft
-# head). Measured best on this CPU: over the head alone (docs/BENCHMARKS.md §8) and over the draft
-# model alone (§24: 1.20x against 1.10x plain greedy, 1.33x against 1.17x at T = 0.7).
+# head). Measured best on this CPU: over the head alone (docs/CHANGELOG.md, 'trained draft head') and over the draft
+# model alone (1.20x against 1.10x plain greedy, 1.33x against 1.17x at T = 0.7: docs/CHANGELOG.md,
+# 'the default is the hybrid').
 DEFAULT_PROPOSER = "hybrid"
 # ... and for a target with neither a draft model nor a draft head: lookup alone (the suffix
 # proposer: copies of the prompt and of earlier outputs), which costs next to nothing when it finds
@@ -33,7 +34,7 @@ DEFAULT_PROPOSER = "hybrid"
 LOOKUP_ONLY = "suffix"
 # A draft model computes logits only for this many frequent ids (FR-Spec; heads.frequent_ids):
 # on the 0.5B draft, its output layer shrinks from 151,936 to 65,536 rows (~50 MB fewer bytes per
-# draft token) at the same acceptance on code (docs/BENCHMARKS.md §18). Exact whatever the size:
+# draft token) at the same acceptance on code (docs/CHANGELOG.md, 'Fewer ops per layer'). Exact whatever the size:
 # the other ids get q = 0 and are never drafted.
 DRAFT_VOCAB = 65536
 
@@ -296,7 +297,7 @@ def copy_lookup(gen: "TextGenerator", ngram: tuple[int, int]) -> SuffixProposer:
     lengths. Besides the n-gram lookup's latest match, it follows the copy a row is making and
     drafts replacements it has seen (renames), and sees earlier outputs (the shared history):
     measured against n-gram lookup in the head hybrid, 2.59x against 2.22x on the editing
-    prompts, and equal or better on the six categories (docs/BENCHMARKS.md §26)."""
+    prompts, and equal or better on the six categories (docs/CHANGELOG.md, 'hybrids' lookup')."""
     lookup = SuffixProposer(min_match=ngram[0], max_match=ngram[1], history=gen.suffix_history)
     lookup.use_trees(False)
     return lookup

@@ -118,7 +118,7 @@ def test_seeded_sampling_with_trees_is_reproducible(target):
 
 # -- tree proposers draft chains while every row samples --------------------------------------------
 def test_tree_proposers_draft_chains_while_every_row_samples(target):
-    """All rows sampled: chains (a tree's extra nodes measured slower at T > 0, §20); any greedy
+    """All rows sampled: chains (a tree's extra nodes measured slower at T > 0: docs/CHANGELOG.md, 'all layers in one call'); any greedy
     row: trees. The hybrid's two sides switch together."""
     proposers = _proposers(target)
     sampled = generate(target, PROMPTS, SamplingParams(temperature=0.7), 24, proposer=proposers["hybrid-tree"](), k=6, seed=1)

@@ -145,7 +145,7 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
     receives them; ``ignore_eos`` (vLLM's name; the ``editing`` category never does) generates
     ``max_new_tokens`` past it instead — equal lengths for every method, but in the six categories
     at 96 tokens ~43% of the greedy tokens then come after the end of the answer, text no user sees
-    (docs/BENCHMARKS.md §20; the bench's default before that section)."""
+    (docs/CHANGELOG.md, 'all layers in one call'; the bench's default before that section)."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
     done = {}

@@ -60,7 +60,7 @@ def frequent_ids(head: Path | None, vocab_size: int, size: int) -> torch.Tensor:
     frequency-ranked subset of the target's draft head ``head`` (ranked on its training
     text), then the lowest ids — byte-level BPE numbers tokens in the order it merged them, so
     low ids are the tokens most frequent in the tokenizer's own (multilingual) training text.
-    Coverage of the target's greedy tokens on the bench's answers, measured: docs/BENCHMARKS.md §18."""
+    Coverage of the target's greedy tokens on the bench's answers, measured: docs/CHANGELOG.md, 'Fewer ops per layer'."""
     from safetensors import safe_open
 
     size = min(size, vocab_size)

@@ -186,7 +186,7 @@ def tree_shape(trees_wanted: bool, always_trees: bool, params: list[SamplingPara
 def all_sample(params: list[SamplingParams]) -> bool:
     """Whether every row samples (no greedy row): the tree proposers then draft chains.
 
-    Measured on this CPU (docs/BENCHMARKS.md §20): at temperature > 0 a tree of deterministic
+    Measured on this CPU (docs/CHANGELOG.md, 'all layers in one call'): at temperature > 0 a tree of deterministic
     candidates commits few more tokens per call than a chain (a candidate x is accepted with
     probability p(x), a sampled draft with min(1, p/q)), while its extra nodes and drafting levels
     cost time; hybrid_tree ran at 0.90x of hybrid_head at T = 0.7. With any greedy row the tree

@@ -10,7 +10,7 @@ The C++ kernel (``kernels/attention.cpp``) computes every (row, query, head) wit
 sequence of fp32 operations over that list; :func:`reference_attend` is the same computation in
 plain torch (slow), and the two are tested to be bit-identical. It replaced a per-query-group
 torch formulation that cost ~20 small ops per group and layer (7 ms of a 5-token verification
-step of the 1.5B target, 35 ms for 4 rows; docs/BENCHMARKS.md §14).
+step of the 1.5B target, 35 ms for 4 rows; docs/CHANGELOG.md, 'runtime at llama.cpp's bytes').
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A block's elementwise steps between its linear layers — RMSNorm, the SiLU gate, rotary
 embedding — and the logits' argmax, as one C++ call each (``kernels/elementwise.cpp``) instead of 3-6 small torch ops
-(measured in docs/BENCHMARKS.md §18). Each output is one fixed sequence of fp32 operations on
+(measured in docs/CHANGELOG.md, 'Fewer ops per layer'). Each output is one fixed sequence of fp32 operations on
 its own row, so results do not depend on the other rows of the call (batch invariance); the
 ``reference_*`` functions below are the same operations in plain torch, tested bit for bit.
 """

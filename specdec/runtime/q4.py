@@ -11,7 +11,7 @@ Layout: output channels in tiles of 16; everything the kernel needs for one tile
 (256 bytes of codes, 16 fp16 scales, 16 fp16 mins) is one contiguous 320-byte chunk, and a
 tile's chunks follow each other group by group. A thread therefore reads ONE sequential stream
 (with software prefetch ahead of it) instead of six — what makes a single-row step
-memory-bandwidth-bound (measured in docs/BENCHMARKS.md §14).
+memory-bandwidth-bound (measured in docs/CHANGELOG.md, 'runtime at llama.cpp's bytes').
 
 Product. Each activation row is quantized per group of 32 with its own scale ``d = max|x|/127``
 (so a row never depends on another row, and an outlier only coarsens its own group), the 4-bit x

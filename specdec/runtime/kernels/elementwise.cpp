@@ -114,7 +114,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
 
 // Index of the first maximum of each row of x [..., N] (torch.argmax's answer for finite rows):
 // a max pass (vectorizes), then the first index holding it. torch's argmax tracks indices in
-// one scalar pass, ~270 us per 152k-wide row here (docs/BENCHMARKS.md §18).
+// one scalar pass, ~270 us per 152k-wide row here (docs/CHANGELOG.md, 'Fewer ops per layer').
 torch::Tensor argmax(torch::Tensor x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
               "argmax: contiguous fp32 [..., N], N > 0");

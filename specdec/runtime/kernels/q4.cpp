@@ -26,7 +26,8 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;     // output channels per tile
 constexpr int64_t kChunk = 320;   // bytes per tile and group: 256 of codes, 32 of scales, 32 of mins
-int64_t g_prefetch = 5120;  // bytes ahead (16 chunks); see docs/BENCHMARKS.md §14 (tunable for measurements)
+// Bytes ahead (16 chunks), tunable for measurements; see docs/CHANGELOG.md, 'runtime at llama.cpp's bytes'.
+int64_t g_prefetch = 5120;
 int g_force_isa = 0;  // tests: 0 = the best this CPU has, 1 = AVX2, 2 = VNNI (256-bit), 3 = AVX-512
 
 // Per-row, per-group int8 quantization of x [M, K] (fp32, contiguous).
@@ -171,7 +172,7 @@ static void q4_tiles_avx512(int64_t tile_begin, int64_t tile_end, int64_t M, int
 // superblock, exactly in integers: isc = sum_g sc[g] * idot_g, imin = sum_g m[g] * xs[g]; then in fp32,
 // superblocks in order: acc += xd[m, s] * (d * float(isc) - dmin * float(imin)).
 // The float work is once per superblock instead of once per group (the q4 format above): what makes
-// a multi-row call cheaper (docs/BENCHMARKS.md §22).
+// a multi-row call cheaper (docs/CHANGELOG.md, 'q4k').
 constexpr int64_t kSuper = 8;  // groups per superblock
 
 inline int64_t sb_bytes(int64_t ng) { return ng * (kTile * kGroup / 2) + ng * kTile + ((ng + 1) / 2) * 2 * kTile + 4 * kTile; }

@@ -1,6 +1,6 @@
 // A llama decoder's layers in one call: the same kernels, in the same order, as a Python loop over
 // `Block._forward_fused` (so the same bits), without ~9 Python-level calls per layer. A draft
-// model's 1-token step spent ~1.5 ms of ~8 ms in those calls (24 layers x 9 calls, docs/BENCHMARKS.md §20).
+// model's 1-token step spent ~1.5 ms of ~8 ms in those calls (24 layers x 9 calls, docs/CHANGELOG.md, 'all layers in one call').
 //
 // Per layer, exactly Block._forward_fused:
 //   h = rms_norm(x, norm_in); qkv = q4(h, Wqkv) + b; a = attend_block(qkv, rope, cache layer, visibility)

@@ -85,9 +85,13 @@ def update_cost(costs: dict[int, float], n: int, seconds: float, ema: float) -> 
     costs[n] = moving_average(costs.get(n), seconds, ema)
 
 
+# The largest k that --k auto may choose (and the KV headroom a row keeps for it): the one default.
+K_MAX = 8
+
+
 @dataclass
 class AdaptiveK:
-    k_max: int = 8
+    k_max: int = K_MAX
     forget: float = 0.97  # per-step decay of the acceptance counts
     prior_accept: float = 0.5
     prior_weight: float = 2.0

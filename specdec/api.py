@@ -14,24 +14,13 @@ from typing import Callable
 from specdec.detokenize import IncrementalDetokenizer, StopFinder
 from specdec.engine import RowResult, generate
 from specdec.metrics import GenerationMetrics
-from specdec.proposers import (PROPOSERS, DraftModelProposer, HeadProposer, HeadTreeProposer, HybridProposer,
-                               NgramProposer, SuffixProposer)
 from specdec.proposers.head import DraftHead
 from specdec.proposers.suffix import SuffixHistory
 from specdec.models import heads, loading
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.sampling import SamplingParams
+from specdec.speculation import SpeculationConfig
 
-# What speculates when the caller names no proposer: the hybrid (lookup where the text repeats
-# itself — the suffix proposer's copy, drafted as chains: copy_lookup — else the model side: the draft model if one is loaded, else the target's draft
-# head). Measured best on this CPU: over the head alone (docs/CHANGELOG.md, 'trained draft head') and over the draft
-# model alone (1.20x against 1.10x plain greedy, 1.33x against 1.17x at T = 0.7: docs/CHANGELOG.md,
-# 'the default is the hybrid').
-DEFAULT_PROPOSER = "hybrid"
-# ... and for a target with neither a draft model nor a draft head: lookup alone (the suffix
-# proposer: copies of the prompt and of earlier outputs), which costs next to nothing when it finds
-# no match, so it never makes decoding much slower than plain.
-LOOKUP_ONLY = "suffix"
 # A draft model computes logits only for this many frequent ids (FR-Spec; heads.frequent_ids):
 # on the 0.5B draft, its output layer shrinks from 151,936 to 65,536 rows (~50 MB fewer bytes per
 # draft token) at the same acceptance on code (docs/CHANGELOG.md, 'Fewer ops per layer'). Exact whatever the size:
@@ -139,8 +128,12 @@ class TextGenerator:
             self._draft_view = (model, ids)
         return self._draft_view
 
-    def make_proposer(self, kind: str, capacity: int, ngram=(2, 4), exit_layer: int | None = None):
-        return _make_proposer(self, kind, capacity, ngram, exit_layer)
+    def speculation(self, method: str | None = None, **options) -> SpeculationConfig:
+        """The config for ``method`` (None: the default) given what this generator has loaded;
+        ``options``: ``k``, ``k_max``, ``ngram``, ``exit_layer`` (None: their defaults). See
+        :meth:`SpeculationConfig.resolve`."""
+        return SpeculationConfig.resolve(method, draft=self.draft is not None, head=self.head_path is not None,
+                                         **options)
 
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         if chat:
@@ -170,23 +163,18 @@ class TextGenerator:
         params: SamplingParams,
         max_new_tokens: int,
         *,
-        k: int | str = "auto",
+        speculation: SpeculationConfig | None = None,
         seed: int = 0,
         stop: list[str] | None = None,
         on_text: Callable[[int, str], None] | None = None,
-        proposer: str | None = None,
-        k_max: int = 8,
-        ngram: tuple[int, int] = (2, 4),
-        exit_layer: int | None = None,
         ignore_eos: bool = False,
     ) -> list[TextResult]:
         """Generate for token-id prompts; exact target sampling whatever speculates.
 
-        ``proposer``: one of :data:`PROPOSERS` ("none": plain decoding), or None for the default
-        (:func:`resolve_proposer`: the hybrid of lookup (:func:`copy_lookup`) and the draft model if
-        one is loaded, else of lookup and the target's draft head if it has one, else plain decoding). ``k``: draft tokens per step or "auto"; 0 = plain.
-        ``ignore_eos`` (as vLLM's): generate past end-of-sequence tokens, up to ``max_new_tokens``
-        or a stop string (benchmarks measuring a fixed length)."""
+        ``speculation``: how (:meth:`speculation` builds one; None: the default for what is
+        loaded). ``ignore_eos`` (as vLLM's): generate past end-of-sequence tokens, up to
+        ``max_new_tokens`` or a stop string (benchmarks measuring a fixed length)."""
+        spec = self.speculation() if speculation is None else speculation
         stop = [s for s in (stop or []) if s]
         streams = [TextStream(self.target.tokenizer, stop) for _ in prompts]
 
@@ -200,17 +188,16 @@ class TextGenerator:
             if text:
                 on_text(row, text)
 
-        proposer = resolve_proposer(proposer, draft=self.draft is not None, head=self.head_path is not None) if k != 0 else None
-        capacity = max(len(p) for p in prompts) + max_new_tokens + max(k_max, k if isinstance(k, int) else 0) + 2
-        impl = self.make_proposer(proposer, capacity, ngram, exit_layer) if proposer and k != 0 else None
+        capacity = spec.capacity(max(len(p) for p in prompts) + max_new_tokens)
+        impl = spec.build(self, capacity)
         rows: list[RowResult] = generate(
             self.target.model,
             prompts,
             params,
             max_new_tokens,
             proposer=impl,
-            k=k if impl else 0,
-            k_max=k_max,
+            k=spec.k,
+            k_max=spec.k_max,
             seed=seed,
             eos_token_ids=set() if ignore_eos else self.eos_token_ids,
             stop_checker=stop_checker if stop else None,
@@ -225,82 +212,6 @@ class TextGenerator:
             out.append(TextResult(text, row.token_ids, row.finish_reason, row.metrics, row.batch_metrics, len(prompt),
                                   row.error))
         return out
-
-
-def resolve_proposer(requested: str | None, *, draft: bool, head: bool) -> str | None:
-    """The proposer to use (None: plain decoding) — the one place the default is decided."""
-    if requested is not None and requested not in PROPOSERS:
-        raise ValueError(f"unknown proposer {requested!r}; choose one of {', '.join(PROPOSERS)}")
-    if requested == "none":
-        return None
-    if requested is not None:
-        return requested
-    return DEFAULT_PROPOSER if draft or head else LOOKUP_ONLY
-
-
-def why_proposer(requested: str | None, proposer: str | None, *, draft: bool, head: bool) -> str:
-    """One line for stderr: which proposer runs, and why (the user's choice or the default)."""
-    if proposer is None:
-        return "plain decoding (--proposer none)" if requested == "none" else "plain decoding"
-    if requested is not None:
-        backing = hybrid_model(proposer, draft=draft, head=head)
-        return f"proposer {proposer}" + (f" (lookup, else the {backing})" if backing else "") + " (as asked)"
-    if draft:
-        return "proposer hybrid: lookup where the text repeats, else the draft model (the default with --draft)"
-    if head:
-        return "proposer hybrid: lookup where the text repeats, else the target's draft head (the default)"
-    return (f"no draft head for this target: proposer {LOOKUP_ONLY} (lookup only, nearly free); "
-            "`specdec train-head` makes a head, --proposer none decodes plainly")
-
-
-def hybrid_model(kind: str | None, *, draft: bool, head: bool) -> str | None:
-    """What backs a hybrid proposer's model side: "hybrid-head" the draft head, "hybrid-tree" the
-    head's trees; "hybrid" the draft model if one is loaded, else the head if there is one, else
-    the early exit."""
-    if kind in ("hybrid-head", "hybrid-tree"):
-        return kind.replace("hybrid-", "")
-    if kind != "hybrid":
-        return None
-    return "draft" if draft else "head" if head else "early-exit"
-
-
-def _make_proposer(gen: "TextGenerator", kind: str, capacity: int, ngram: tuple[int, int], exit_layer: int | None):
-    if kind not in PROPOSERS or kind == "none":
-        raise ValueError(f"unknown proposer {kind!r}; choose one of {', '.join(p for p in PROPOSERS if p != 'none')}")
-    if kind == "ngram":
-        return NgramProposer(*ngram)
-    if kind == "suffix":
-        return SuffixProposer(history=gen.suffix_history)
-    if kind == "draft" and gen.draft is None:
-        raise ValueError("proposer 'draft' needs a draft model (draft=NAME_OR_PATH)")
-    backing = hybrid_model(kind, draft=gen.draft is not None, head=gen.head_path is not None)
-    if kind == "head-tree" or backing == "tree":
-        model_draft = HeadTreeProposer(gen.draft_head(), capacity)
-    elif kind == "head" or backing == "head":
-        model_draft = HeadProposer(gen.draft_head(), capacity)
-    elif kind == "early-exit" or backing == "early-exit":
-        layers = exit_layer or max(1, gen.target.model.cfg.num_layers // 4)
-        model_draft = DraftModelProposer(gen.target.model.truncated(layers), capacity)
-    else:
-        model, ids = gen.draft_model()
-        model_draft = DraftModelProposer(model, capacity, vocab_ids=ids,
-                                         vocab_size=None if ids is None else gen.draft.model.vocab_size)
-    if backing == "tree":
-        return HybridProposer(SuffixProposer(history=gen.suffix_history), model_draft)
-    if backing is not None:
-        return HybridProposer(copy_lookup(gen, ngram), model_draft)
-    return model_draft
-
-
-def copy_lookup(gen: "TextGenerator", ngram: tuple[int, int]) -> SuffixProposer:
-    """The chain hybrids' lookup side: the suffix proposer drafting chains, matching ``ngram``'s
-    lengths. Besides the n-gram lookup's latest match, it follows the copy a row is making and
-    drafts replacements it has seen (renames), and sees earlier outputs (the shared history):
-    measured against n-gram lookup in the head hybrid, 2.59x against 2.22x on the editing
-    prompts, and equal or better on the six categories (docs/CHANGELOG.md, 'hybrids' lookup')."""
-    lookup = SuffixProposer(min_match=ngram[0], max_match=ngram[1], history=gen.suffix_history)
-    lookup.use_trees(False)
-    return lookup
 
 
 def encode_messages(tok, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:

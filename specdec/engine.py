@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from specdec.adaptive import AdaptiveK, ShapeRace, TreeBudget
+from specdec.adaptive import K_MAX, AdaptiveK, ShapeRace, TreeBudget
 from specdec.metrics import GenerationMetrics, Timings
 from specdec.proposers.base import Proposal, Proposer
 from specdec.runtime import elementwise
@@ -183,11 +183,23 @@ class PhaseTimer:
             self.step[name] = self.step.get(name, 0.0) + dt
 
 
+def kv_headroom(k: int | str, k_max: int) -> int:
+    """KV slots a row needs beyond its prompt + max_new_tokens: a verification block of up to
+    max(k, k_max) drafts and the bonus, and the slot of the token whose KV is written next."""
+    return max(k_max, k if isinstance(k, int) else 0) + 2
+
+
+def kv_capacity(tokens: int, k: int | str, k_max: int) -> int:
+    """KV slots per row for ``tokens`` (the longest prompt + max_new_tokens) at draft length ``k``
+    (an int or "auto") with ``k_max``: the one formula (callers: SpeculationConfig.capacity)."""
+    return tokens + kv_headroom(k, k_max)
+
+
 class Engine:
     """Continuous batching over one target (and one proposer, shared by every row).
 
-    ``capacity``: KV slots per row (prompt + max_new_tokens + k_max + 2 must fit; requests that
-    do not are refused by :meth:`add`). ``max_batch``: rows decoded together (the others wait).
+    ``capacity``: KV slots per row (:func:`kv_capacity` of prompt + max_new_tokens must fit;
+    requests that do not are refused by :meth:`add`). ``max_batch``: rows decoded together (the others wait).
     ``k``: draft tokens per step, or "auto" (one :class:`AdaptiveK` / :class:`TreeBudget` per
     proposer source, from measured costs and acceptance). ``seed`` seeds the engine's own streams
     (rejection sampling of requests without a seed, and the proposer's draws). ``verifier`` has
@@ -195,7 +207,7 @@ class Engine:
     """
 
     def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
-                 k_max: int = 8, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
+                 k_max: int = K_MAX, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
                  max_batch: int | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
@@ -238,7 +250,7 @@ class Engine:
         if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {request.seed}")
         need = len(request.prompt) + request.max_new_tokens
-        limit = min(self.target.cfg.max_position_embeddings, self.capacity - self.k_max - 2)
+        limit = min(self.target.cfg.max_position_embeddings, self.capacity - kv_headroom(self.k, self.k_max))
         if need > limit:
             raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
                              f"exceeds the {'context length' if limit == self.target.cfg.max_position_embeddings else 'per-request token limit'} {limit}")
@@ -489,7 +501,7 @@ def generate(
     *,
     proposer: Proposer | None = None,
     k: int | str = 0,
-    k_max: int = 8,
+    k_max: int = K_MAX,
     seed: int = 0,
     seeds: list[int | None] | None = None,
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
@@ -521,8 +533,7 @@ def generate(
         raise ValueError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context length {context}"
         )
-    k_room = k_max if k == "auto" else k if isinstance(k, int) else 0
-    engine = Engine(target, proposer, capacity=longest + max_new_tokens + max(k_room, k_max) + 2, k=k,
+    engine = Engine(target, proposer, capacity=kv_capacity(longest + max_new_tokens, k, k_max), k=k,
                     k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, verifier=verifier)
     start = time.perf_counter()
     rows = [engine.add(Request(p, row_params[i], max_new_tokens, None if seeds is None else seeds[i]))

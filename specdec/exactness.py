@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from specdec.engine import generate
+from specdec.adaptive import K_MAX
+from specdec.engine import generate, kv_capacity
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.stats import chi_square, merge_small_cells, power
 from specdec.verify import verify_chain
@@ -105,7 +106,8 @@ def _sample_law(target, make_proposer, prompt, params, k, depth, samples, batch,
     with tqdm(total=samples, desc=desc, unit="sample", leave=False) as bar:
         for start in range(0, samples, batch):
             n = min(batch, samples - start)
-            rows = generate(target, [prompt] * n, params, depth, proposer=make_proposer(len(prompt) + depth + 10),
+            capacity = kv_capacity(len(prompt) + depth, k, K_MAX)
+            rows = generate(target, [prompt] * n, params, depth, proposer=make_proposer(capacity),
                             k=k, seed=seed + start, verifier=verifier)
             for r in rows:
                 key = tuple(r.token_ids)
@@ -160,7 +162,7 @@ def verify_deployment(
     for i, prompt in enumerate(tqdm(prompts, desc="greedy identity", unit="prompt", leave=False)):
         plain = generate(target, [prompt], greedy, greedy_tokens)[0].token_ids
         spec = generate(target, [prompt], greedy, greedy_tokens,
-                        proposer=make_proposer(len(prompt) + greedy_tokens + 10), k=k)[0].token_ids
+                        proposer=make_proposer(kv_capacity(len(prompt) + greedy_tokens, k, K_MAX)), k=k)[0].token_ids
         if spec == plain:
             report.greedy_identical += 1
         else:

@@ -1,6 +1,6 @@
 """Derived caches: keyed by content, written atomically, one builder at a time, and healing.
 
-Each test here failed before the cache mechanism of specdec.models.cache existed: caches were
+Each test here failed before the cache mechanism of specdec.cache existed: caches were
 keyed by the model directory's path, written in place, trusted once a marker existed, and built
 in one shared ``.tmp`` folder.
 """
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.models import cache, loading, registry
+from specdec import cache
+from specdec.models import loading, registry
 from tiny_models import hf_tiny, save_hf_dir
 
 IDS = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
@@ -243,7 +244,7 @@ def test_notices_go_to_stderr_and_json_stays_json(home, tmp_path, capsys):
 _SLOW_BUILDER = """
 import sys, time
 from pathlib import Path
-from specdec.models import cache
+from specdec import cache
 
 def build(tmp):
     tmp.write_bytes(b"half")

@@ -245,16 +245,17 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
 
 
 def test_the_default_proposer_is_the_hybrid_over_whichever_model_is_loaded(capsys, model_dir):
-    """One place decides the default (``resolve_proposer``): the hybrid, whose model side is the
-    draft model when one is given, else the target's head; plain decoding when neither exists."""
-    from specdec.api import hybrid_model, resolve_proposer
+    """One place decides the default (``SpeculationConfig.resolve``): the hybrid, whose model side
+    is the draft model when one is given, else the target's head; lookup alone when neither exists;
+    "none" (never None) is plain decoding."""
+    from specdec.speculation import SpeculationConfig
 
-    assert resolve_proposer(None, draft=True, head=True) == "hybrid"
-    assert hybrid_model("hybrid", draft=True, head=True) == "draft"
-    assert resolve_proposer(None, draft=False, head=True) == "hybrid"
-    assert hybrid_model("hybrid", draft=False, head=True) == "head"
-    assert resolve_proposer(None, draft=False, head=False) == "suffix"  # no model to draft with: lookup only
-    assert resolve_proposer("none", draft=True, head=True) is None
+    resolve = SpeculationConfig.resolve
+    assert (resolve(None, draft=True, head=True).method, resolve(None, draft=True, head=True).model_side) == ("hybrid", "draft")
+    assert (resolve(None, draft=False, head=True).method, resolve(None, draft=False, head=True).model_side) == ("hybrid", "head")
+    assert resolve(None, draft=False, head=False).method == "suffix"  # no model to draft with: lookup only
+    assert resolve("none", draft=True, head=True).method == "none" and not resolve("none", draft=True, head=True).speculates
+    assert resolve(None, draft=True, head=True, k=0).method == "none"  # k = 0: no speculation
     # From the command line: --draft with no proposer speculates (n-gram lookup on this
     # repetitive prompt) and gives plain decoding's greedy tokens.
     base = ["generate", "--target", model_dir, "--prompt", "abcabcabcabc", "--max-new-tokens", "12", "--json"]

@@ -75,20 +75,20 @@ def test_text_generator_end_to_end_with_stop_string(hf_dir):
     directory, _ = hf_dir
     gen = TextGenerator.load(str(directory), str(directory), dtype="int8")
     prompt = [5, 6, 7]  # (AutoTokenizer maps this test tokenizer to Qwen2Tokenizer, which cannot encode "w5")
-    plain = gen.generate([prompt], loading_params(), 12, proposer="none")[0]
-    spec = gen.generate([prompt], loading_params(), 12, k=3, proposer="draft")[0]
+    plain = gen.generate([prompt], loading_params(), 12, speculation=gen.speculation("none"))[0]
+    spec = gen.generate([prompt], loading_params(), 12, speculation=gen.speculation("draft", k=3))[0]
     assert spec.token_ids == plain.token_ids
     stop = gen.decode(plain.token_ids[2:3])
     assert stop, "the third generated token must decode to text"
     chunks = []
-    stopped = gen.generate([prompt], loading_params(), 12, k=3, proposer="ngram", stop=[stop],
+    stopped = gen.generate([prompt], loading_params(), 12, speculation=gen.speculation("ngram", k=3), stop=[stop],
                            on_text=lambda row, text: chunks.append(text))[0]
     assert stopped.finish_reason == "stop"
     assert stop not in stopped.text and plain.text.startswith(stopped.text)
     assert len(stopped.token_ids) <= 3
     assert "".join(chunks) == stopped.text  # streaming shows exactly the final text, never the stop string
     chunks.clear()
-    streamed = gen.generate([prompt], loading_params(), 12, k=3, proposer="draft", on_text=lambda row, text: chunks.append(text))[0]
+    streamed = gen.generate([prompt], loading_params(), 12, speculation=gen.speculation("draft", k=3), on_text=lambda row, text: chunks.append(text))[0]
     assert "".join(chunks) == streamed.text == plain.text and len(chunks) > 1
 
 
@@ -114,9 +114,9 @@ def test_draft_model_is_pruned_to_frequent_ids_in_one_place(hf_dir, monkeypatch)
     assert model(torch.tensor([[5, 6, 7]]), cache).shape[-1] == 40
     assert gen.draft_model()[0] is model  # built once
     prompt = [5, 6, 7]
-    plain = gen.generate([prompt], loading_params(), 12, proposer="none")[0]
+    plain = gen.generate([prompt], loading_params(), 12, speculation=gen.speculation("none"))[0]
     for kind in ("draft", "hybrid"):
-        spec = gen.generate([prompt], loading_params(), 12, k=3, proposer=kind)[0]
+        spec = gen.generate([prompt], loading_params(), 12, speculation=gen.speculation(kind, k=3))[0]
         assert spec.token_ids == plain.token_ids
 
 
@@ -128,13 +128,13 @@ def test_the_hybrids_lookup_side_is_the_suffix_proposers_chains(hf_dir):
 
     directory, _ = hf_dir
     gen = TextGenerator.load(str(directory), str(directory), dtype="int8")
-    hybrid = gen.make_proposer("hybrid", 64, ngram=(2, 5))
+    hybrid = gen.speculation("hybrid", ngram=(2, 5)).build(gen, 64)
     assert isinstance(hybrid, HybridProposer) and isinstance(hybrid.ngram, SuffixProposer)
     assert not hybrid.emits_trees and (hybrid.ngram.min_match, hybrid.ngram.max_match) == (2, 5)
     assert hybrid.ngram.history is gen.suffix_history
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    plain = gen.generate([prompt], loading_params(), 16, proposer="none")[0]
-    spec = gen.generate([prompt], loading_params(), 16, proposer="hybrid")[0]
+    plain = gen.generate([prompt], loading_params(), 16, speculation=gen.speculation("none"))[0]
+    spec = gen.generate([prompt], loading_params(), 16, speculation=gen.speculation("hybrid"))[0]
     assert spec.token_ids == plain.token_ids
 
 

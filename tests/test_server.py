@@ -24,6 +24,7 @@ import uvicorn
 
 from specdec.api import TextGenerator
 from specdec.server import ServeConfig, create_app
+from specdec.speculation import SpeculationConfig
 from tiny_models import hf_tiny, save_hf_dir
 
 MODEL = "tiny"
@@ -69,7 +70,7 @@ def gen(tmp_path_factory):
 def server(gen):
     # hybrid = lookup (the suffix copy), else the target's first layer as a sampled draft; k chosen each step
     # from measured timings: what each row drafts depends on the batch and the clock.
-    s = Server(gen, ServeConfig(proposer="hybrid", k="auto", exit_layer=1, max_batch=16, max_queue=128, max_model_len=256))
+    s = Server(gen, ServeConfig(gen.speculation("hybrid", exit_layer=1), max_batch=16, max_queue=128, max_model_len=256))
     yield s
     s.stop()
 
@@ -90,7 +91,7 @@ def test_completion_matches_the_library(server, gen):
 
     out = server.client.completions.create(model=MODEL, prompt="hello world", max_tokens=20, temperature=0)
     ids = gen.target.tokenizer("hello world")["input_ids"]
-    expected = gen.generate([ids], SamplingParams(0.0), 20, proposer="none")[0]
+    expected = gen.generate([ids], SamplingParams(0.0), 20, speculation=gen.speculation("none"))[0]
     assert out.choices[0].text == expected.text
     assert out.choices[0].finish_reason == ("stop" if expected.finish_reason == "eos" else expected.finish_reason)
     assert out.usage.prompt_tokens == len(ids)
@@ -233,7 +234,7 @@ def test_cancelled_stream_frees_its_row(server):
 
 
 def test_full_queue_answers_429_with_retry_after(gen):
-    s = Server(gen, ServeConfig(proposer=None, k=0, max_batch=1, max_queue=1, max_model_len=256))
+    s = Server(gen, ServeConfig(SpeculationConfig.plain(), max_batch=1, max_queue=1, max_model_len=256))
     try:
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 150, "temperature": 0}
         with ThreadPoolExecutor(6) as pool:

@@ -48,7 +48,7 @@ ERRORS = _Errors()
 def server(gen):  # noqa: F811
     for name in ("", "uvicorn"):  # uvicorn's loggers do not propagate to the root
         logging.getLogger(name).addHandler(ERRORS)
-    s = Server(gen, ServeConfig(proposer="ngram", k=3, max_batch=8, max_queue=32, max_model_len=128,
+    s = Server(gen, ServeConfig(gen.speculation("ngram", k=3), max_batch=8, max_queue=32, max_model_len=128,
                                 max_request_bytes=64 * 1024))
     s.canary = httpx.post(s.url + "/v1/completions", json=CANARY, timeout=60).json()["choices"][0]["text"]
     yield s

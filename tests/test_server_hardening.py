@@ -23,7 +23,7 @@ CANARY = {"model": MODEL, "prompt": "canary", "max_tokens": 6, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def server(gen):  # noqa: F811
-    s = Server(gen, ServeConfig(proposer="ngram", k=3, max_batch=8, max_queue=16, max_model_len=256,
+    s = Server(gen, ServeConfig(gen.speculation("ngram", k=3), max_batch=8, max_queue=16, max_model_len=256,
                                 max_request_bytes=64 * 1024))
     yield s
     s.stop()

@@ -42,9 +42,9 @@ def test_fp32_greedy_matches_transformers(name):
 def test_default_pair_speculative_greedy_equals_plain(dtype):
     gen = TextGenerator.load("target", "draft", dtype=dtype)
     prompts = [gen.encode(p, chat=True) for p in CODE_PROMPTS[:2]]
-    plain = gen.generate(prompts, GREEDY, 48, proposer="none")
+    plain = gen.generate(prompts, GREEDY, 48, speculation=gen.speculation("none"))
     for k in [2, 4]:
-        spec = gen.generate(prompts, GREEDY, 48, k=k)
+        spec = gen.generate(prompts, GREEDY, 48, speculation=gen.speculation(k=k))
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
         assert spec[0].batch_metrics.acceptance.accepted > 0
 
@@ -56,9 +56,9 @@ def test_default_target_speculates_with_its_shipped_head_and_stays_exact():
     gen = TextGenerator.load("target")
     assert gen.head_path is not None, "the default target ships a draft head"
     prompts = [gen.encode(p, chat=True) for p in CODE_PROMPTS[:2]]
-    plain = gen.generate(prompts, GREEDY, 48, proposer="none")
+    plain = gen.generate(prompts, GREEDY, 48, speculation=gen.speculation("none"))
     for proposer, k in ((None, "auto"), ("head", 4), ("hybrid-tree", "auto"), ("head-tree", 6), ("suffix", 8)):
-        spec = gen.generate(prompts, GREEDY, 48, proposer=proposer, k=k)
+        spec = gen.generate(prompts, GREEDY, 48, speculation=gen.speculation(proposer, k=k))
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
         assert spec[0].batch_metrics.acceptance.accepted > 0
 

@@ -70,10 +70,10 @@ def load_workloads(include_extra: bool = False) -> dict:
     return {k: v for k, v in data.items() if not k.startswith("_") and (include_extra or not v.get("extra"))}
 
 
-def _method_spec(method: str, k_fixed: int) -> tuple[str | None, int | str]:
-    """(proposer, k) for our methods."""
+def _method_spec(method: str, k_fixed: int) -> tuple[str, int | str]:
+    """(method of :data:`specdec.speculation.METHODS`, k) for the bench's method names."""
     if method == "plain":
-        return None, 0
+        return "none", 0
     if method in ("draft", "head"):
         return method, k_fixed
     if method.endswith("_auto") or method in ("ngram", "early_exit", "hybrid", "hybrid_head", "suffix",
@@ -132,8 +132,9 @@ class Bench:
         # answers is shared by a generator's calls, and would otherwise hold other methods'
         # answers to this very prompt (a greedy answer is then predicted whole).
         self.gen.suffix_history = SuffixHistory()
+        spec = self.gen.speculation(proposer, k=k, k_max=self.k_max)
         result = self.gen.generate([prompt_ids], SamplingParams(temperature=temperature), self.max_new_tokens,
-                                   k=k, seed=seed, proposer=proposer, k_max=self.k_max,
+                                   speculation=spec, seed=seed,
                                    ignore_eos=not stop_at_eos)[0]  # else every method generates max_new_tokens
         return {"token_ids": result.token_ids, "metrics": result.batch_metrics.to_dict()}
 

@@ -21,7 +21,10 @@ def _decode_rate(results) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def profile(gen, prompts: list[list[int]], proposer: str, params, max_new_tokens: int, k_max: int, **kw) -> dict:
+def profile(gen, prompts: list[list[int]], spec, params, max_new_tokens: int) -> dict:
+    """``spec``: the :class:`~specdec.speculation.SpeculationConfig` to profile (its method and
+    k_max; k is varied here)."""
+    k_max = spec.k_max
     context = max(len(p) for p in prompts)
     v = forward_scaling(gen.target.model, context=context, sizes=tuple(range(1, k_max + 2)), repeats=3)
     verify = [v[n] for n in range(1, k_max + 2)]
@@ -29,7 +32,7 @@ def profile(gen, prompts: list[list[int]], proposer: str, params, max_new_tokens
     def run(k):
         out = []
         for i, p in enumerate(prompts):
-            out += gen.generate([p], params, max_new_tokens, k=k, seed=i, proposer=proposer if k else None, k_max=k_max, **kw)
+            out += gen.generate([p], params, max_new_tokens, speculation=spec.with_k(k), seed=i)
         return out
 
     fixed = run(k_max)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models import cache
+from specdec import cache
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.model import Transformer
 

@@ -26,7 +26,8 @@ def identity(name_or_path: str) -> str | None:
     """The identity heads are matched by: the sha256 of the target's GGUF file (a registry
     model's pinned one; a .gguf path's own, hashed once and cached by path, size and mtime), or
     None for anything else (a Hugging Face directory has no shipped head)."""
-    from specdec.models import cache, registry
+    from specdec import cache
+    from specdec.models import registry
 
     spec = registry.resolve(name_or_path)
     if spec is not None:

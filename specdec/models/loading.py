@@ -5,7 +5,7 @@ takes 20-100 s, so it is done once: the result is written as a Hugging Face dire
 (``config.json``, ``model.safetensors``, tokenizer files) under ``$SPECDEC_HOME/converted/`` and
 every later load reads that directory in seconds. Nothing is ever fetched from a hub.
 
-Every derived file follows :mod:`specdec.models.cache`: content keys, atomic writes, one builder
+Every derived file follows :mod:`specdec.cache`: content keys, atomic writes, one builder
 at a time, and one rebuild when a cache turns out to be damaged.
 """
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.models import cache, registry
+from specdec import cache
+from specdec.models import registry
 from specdec.models.gguf_q4k import Q4KTensors
 from specdec.models.calibration import cached_calibration
 from specdec.runtime.config import ModelConfig

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specdec.models import cache
+from specdec import cache
 
 
 home = cache.home

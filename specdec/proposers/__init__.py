@@ -7,9 +7,7 @@ from specdec.proposers.hybrid import HybridProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.proposers.suffix import SuffixProposer
 
-# The names the CLI and the API accept; "none" is plain decoding. Tree proposers: "suffix",
-# "head-tree" and "hybrid-tree" (suffix lookup when the text repeats itself, else head trees).
-PROPOSERS = ("head", "draft", "ngram", "early-exit", "hybrid", "hybrid-head", "suffix", "head-tree", "hybrid-tree", "none")
+# The names the CLI and the API accept, and how each is built: specdec.speculation.METHODS.
 
-__all__ = ["PROPOSERS", "DraftModelProposer", "HeadProposer", "HeadTreeProposer", "HybridProposer", "NgramProposer",
+__all__ = ["DraftModelProposer", "HeadProposer", "HeadTreeProposer", "HybridProposer", "NgramProposer",
            "Proposal", "Proposer", "SuffixProposer"]

@@ -456,7 +456,7 @@ def save_head(path: Path, cfg: HeadConfig, state: dict[str, torch.Tensor], vocab
     """Write the head as safetensors (fp16 weights, int32 vocabulary), config in the metadata."""
     from safetensors.torch import save_file
 
-    from specdec.models import cache
+    from specdec import cache
 
     tensors = {k: v.to(torch.float16).contiguous() for k, v in state.items()}
     tensors["vocab_ids"] = vocab_ids.to(torch.int32)

@@ -2,7 +2,7 @@
 
 The lookup side is an :class:`NgramProposer` or a :class:`SuffixProposer` (the API's hybrids use
 the latter, drafting chains: it also follows the copy a row is making, see
-:func:`specdec.api.copy_lookup`). Each step, if every row has a match the (nearly free) lookup
+:func:`specdec.speculation.copy_lookup`). Each step, if every row has a match the (nearly free) lookup
 proposes; otherwise the model draft does. The model draft still has to see every committed token, so tokens committed
 while the n-gram was in use are queued and fed to it the next time it proposes (in one forward).
 ``next_source()`` tells the engine which proposer the coming step uses, so that adaptive k keeps

@@ -20,15 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from specdec.runtime import native
-
-LANES = 16  # the kernel's dot products: 16 lane sums then a fixed tree; head_dim % 16 == 0
-_FLAGS = ("-march=native", "-mprefer-vector-width=512")
+from specdec.runtime.lanes import LANES, exp16
 
 
 def kernel():
-    # -march=native: the 16-lane loops become one AVX-512 (or two AVX2) operation each; the
-    # results do not depend on the vector width (lane-wise operations, no reassociation).
-    return native.build("attention", "attention.cpp", depends=("exp16.h", "rope.h"), flags=_FLAGS)
+    return native.kernel("attention")
 
 
 @dataclass(frozen=True)
@@ -99,29 +95,6 @@ def attend_block(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: tor
     return kernel().attend_block(qkv, cos, sin, k, v, slots, vis.lo, vis.hi, vis.extra_ptr, vis.extra, scale, num_heads)
 
 
-# The kernel's exp: Cephes' expf polynomial with these float constants (hex = exact float values).
-_EXP = {name: float.fromhex(h) for name, h in [
-    ("log2e", "0x1.715476p+0"), ("c1", "0x1.63p-1"), ("c2", "-0x1.bd0106p-13"),
-    ("p0", "0x1.a0d2cep-13"), ("p1", "0x1.6e879cp-10"), ("p2", "0x1.111210p-7"),
-    ("p3", "0x1.555382p-5"), ("p4", "0x1.555554p-3"), ("p5", "0x1.0p-1")]}
-
-
-def _exp16(x: torch.Tensor) -> torch.Tensor:
-    """The kernel's exp for ``x <= 0``, elementwise fp32, one rounding per operation."""
-    c = {name: torch.tensor(value, dtype=torch.float32) for name, value in _EXP.items()}
-    n = torch.round(x * c["log2e"])
-    r = x - n * c["c1"]
-    r = r - n * c["c2"]
-    p = c["p0"].expand_as(r)
-    for name in ("p1", "p2", "p3", "p4", "p5"):
-        p = p * r + c[name]
-    y = p * (r * r)
-    y = y + r
-    y = y + 1.0
-    two_n = ((n.to(torch.int32) + 127) << 23).view(torch.float32)
-    return torch.where(x < -87.0, torch.zeros_like(x), y * two_n)
-
-
 def _dot16(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``q`` ``[D]`` . ``keys`` ``[n, D]`` -> ``[n]``: 16 lane sums, then the fixed tree."""
     d = q.shape[-1]
@@ -146,7 +119,7 @@ def reference_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Vis
         for head in range(hq):
             keys, values = k[b, head // rep, slots].float(), v[b, head // rep, slots].float()  # [n, D]
             scores = _dot16(q[b, j, head].float(), keys) * s  # [n]
-            probs = _exp16(scores - scores.max())
+            probs = exp16(scores - scores.max())
             total = torch.zeros(())
             acc = torch.zeros(d)
             for n in range(slots.numel()):  # in slot-list order, one rounding per operation

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from specdec.runtime import native
-from specdec.runtime.attention import _FLAGS, LANES, _exp16
+from specdec.runtime.lanes import LANES, exp16
 
 
 
 def kernel():
-    return native.build("elementwise", "elementwise.cpp", depends=("exp16.h", "rope.h"), flags=_FLAGS)
+    return native.kernel("elementwise")
 
 
 def supported(x: torch.Tensor, width: int) -> bool:
@@ -72,7 +72,7 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     g, u = gate_up.chunk(2, dim=-1)
-    e = _exp16(-g.abs())
+    e = exp16(-g.abs())
     sig = torch.where(g >= 0, torch.ones_like(e), e) / (1.0 + e)
     return (g * sig) * u
 

@@ -153,13 +153,3 @@ class KVCache:
             self._k[:, :n] = self._k[:, index]
             self._v[:, :n] = self._v[:, index]
         self.lengths = self.lengths[torch.as_tensor(order, dtype=torch.long)].clone()
-
-    def fork(self, rows: torch.Tensor | list[int]) -> "KVCache":
-        """A copy holding the given rows (repeat a row to branch it, e.g. for candidate trees)."""
-        index = torch.as_tensor(rows, dtype=torch.long)
-        other = KVCache.__new__(KVCache)
-        other.capacity = self.capacity
-        other._k = self.k[:, index].clone()
-        other._v = self.v[:, index].clone()
-        other.lengths = self.lengths[index].clone()
-        return other

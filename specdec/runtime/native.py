@@ -1,9 +1,12 @@
-"""Building specdec's small C++ kernels (``kernels/q4.cpp``, ``kernels/attention.cpp``,
-``kernels/elementwise.cpp``, and ``kernels/stack.cpp``, which compiles the three together).
+"""Building specdec's small C++ kernels: the one registry of their sources and flags
+(:data:`KERNEL_SOURCES`), and the build itself.
 
-Each is compiled once per machine with the system's compiler through
+Each kernel is compiled once per machine with the system's compiler through
 ``torch.utils.cpp_extension`` and cached under ``$SPECDEC_HOME/kernels``, keyed by its source,
-flags and torch version; concurrent first uses build it once (a file lock).
+flags and torch version; concurrent first uses build it once (a file lock). The Python wrappers
+(:mod:`~specdec.runtime.attention`, :mod:`~specdec.runtime.elementwise`,
+:mod:`~specdec.runtime.q4`, :mod:`~specdec.runtime.stack`) call :func:`kernel`; this module
+imports none of them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import functools
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +25,42 @@ KERNELS = Path(__file__).with_name("kernels")
 # pure-torch references. -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it
 # the kernel runs on one thread); the extension then shares torch's own libgomp.so.1.
 BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+# -march=native: the 16-lane loops become one AVX-512 (or two AVX2) operation each; the results
+# do not depend on the vector width (lane-wise operations, no reassociation).
+VECTOR_FLAGS = ("-march=native", "-mprefer-vector-width=512")
+Q4_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # the 4-bit kernel's AVX2 path (AVX-512 paths by target attributes)
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    source: str  # kernels/<source>
+    depends: tuple[str, ...]  # what it includes (part of the cache key)
+    flags: tuple[str, ...]
+    needs_avx2: bool = False
+
+
+KERNEL_SOURCES = {
+    "attention": KernelSource("attention.cpp", ("exp16.h", "rope.h"), VECTOR_FLAGS),
+    "elementwise": KernelSource("elementwise.cpp", ("exp16.h", "rope.h"), VECTOR_FLAGS),
+    "q4": KernelSource("q4.cpp", ("q4_blocks.h",), Q4_FLAGS, needs_avx2=True),
+    # the q4, attention and elementwise kernels' sources, built together: a model's layers in one call
+    "stack": KernelSource("stack.cpp", ("q4.cpp", "q4_blocks.h", "attention.cpp", "elementwise.cpp", "exp16.h", "rope.h"),
+                          VECTOR_FLAGS + Q4_FLAGS, needs_avx2=True),
+}
+
+
+def has_avx2() -> bool:
+    """Whether this CPU can run the 4-bit kernels (AVX2 or better)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def kernel(name: str):
+    """The compiled module of :data:`KERNEL_SOURCES` ``[name]`` (built on first use, cached per
+    machine); callers simply call this each time they need it."""
+    spec = KERNEL_SOURCES[name]
+    if spec.needs_avx2 and not has_avx2():
+        raise RuntimeError(f"the {name} kernel needs a CPU with AVX2; use dtype int8")
+    return build(name, spec.source, spec.depends, spec.flags)
 
 
 @functools.cache
@@ -29,7 +69,7 @@ def build(stem: str, source: str, depends: tuple[str, ...] = (), flags: tuple[st
     are headers it includes. Callers simply call this each time they need the module."""
     from torch.utils.cpp_extension import load
 
-    from specdec.models import cache
+    from specdec import cache
 
     all_flags = BASE_FLAGS + list(flags)
     text = b"".join((KERNELS / name).read_bytes() for name in (source, *depends))
@@ -47,15 +87,9 @@ def build_all() -> list[str]:
     """Compile (once per machine) every kernel this CPU can run, so that no later call pays for
     it: the install step (``specdec models install``) calls this; loading a model builds its
     kernels too, so their compile time is load time, never a request's time to first token."""
-    from specdec.runtime import attention, elementwise, q4, stack
-
-    attention.kernel()
-    elementwise.kernel()
-    built = ["attention", "elementwise"]
-    if q4.available():
-        q4.kernel()
-        stack.kernel()
-        built += ["q4", "stack"]
+    built = [name for name, spec in KERNEL_SOURCES.items() if has_avx2() or not spec.needs_avx2]
+    for name in built:
+        kernel(name)
     return built
 
 

@@ -39,12 +39,9 @@ TILE = 16  # output channels per tile (one 512-bit register of int32 lanes)
 CODE_BYTES = TILE * GROUP // 2  # 256: the 4-bit codes of one tile and one group
 CHUNK = CODE_BYTES + 2 * TILE * 2  # 320: codes, then 16 fp16 scales, then 16 fp16 mins
 
-_FLAGS = ("-mavx2", "-mfma", "-mf16c")
-
-
 def available() -> bool:
     """Whether this CPU can run the kernel (AVX2 or better)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return native.has_avx2()
 
 
 def superblocks_fast() -> bool:
@@ -356,9 +353,7 @@ def reference_linear_q4k(x: torch.Tensor, state: dict[str, torch.Tensor]) -> tor
 
 def kernel():
     """The compiled kernel module (built on first use, cached per machine under $SPECDEC_HOME)."""
-    if not available():
-        raise RuntimeError("the 4-bit kernel needs a CPU with AVX2; use dtype int8")
-    return native.build("q4", "q4.cpp", depends=("q4_blocks.h",), flags=_FLAGS)
+    return native.kernel("q4")
 
 
 class Q4Linear(torch.nn.Module):

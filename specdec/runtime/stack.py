@@ -10,14 +10,12 @@ whose output needs no trimming; anything else runs the per-layer path.
 
 from __future__ import annotations
 
-from specdec.runtime import attention, native, q4
+from specdec.runtime import native, q4
 
 
 def kernel():
     """The compiled module (the q4, attention and elementwise kernels' sources, built together)."""
-    return native.build("stack", "stack.cpp",
-                        depends=("q4.cpp", "q4_blocks.h", "attention.cpp", "elementwise.cpp", "exp16.h", "rope.h"),
-                        flags=attention._FLAGS + q4._FLAGS)
+    return native.kernel("stack")
 
 
 def eligible(blocks) -> bool:

@@ -173,22 +173,30 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
                engine_thread: bool = True) -> FastAPI:
     """The FastAPI application. ``engine_thread``: the scheduler runs in a thread that starts and
     stops with the app; False: the caller runs ``app.state.scheduler.run()`` itself (:func:`serve`)."""
-    name = model_name or gen.target.name
-    metrics = ServerMetrics()
-    scheduler = Scheduler(gen, config, metrics)
-    created = int(time.time())
+    api = OpenAIServer(gen, config, model_name or gen.target.name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if engine_thread:
-            scheduler.start()
+            api.scheduler.start()
         yield
         if engine_thread:
-            scheduler.stop()
+            api.scheduler.stop()
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
-    app.state.scheduler = scheduler
+    app.state.scheduler = api.scheduler
+    _add_error_handlers(app, api.metrics)
+    app.get("/health")(api.health)
+    app.get("/v1/models")(api.models)
+    app.get("/metrics")(api.prometheus)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error in OpenAI's shape, counted in ``specdec_rejected_total`` by kind."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HTTPRequest, exc: RequestValidationError):
@@ -225,55 +233,130 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
         metrics.rejected.labels("queue_full").inc()
         return _error(429, f"server busy: {exc}", "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "batch": len(scheduler.engine.rows), "waiting": scheduler.waiting()}
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "specdec"}]}
+class OpenAIServer:
+    """The routes: OpenAI's request and response formats around one :class:`Scheduler`."""
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    def __init__(self, gen: TextGenerator, config: ServeConfig, name: str) -> None:
+        self.gen, self.config, self.name = gen, config, name
+        self.metrics = ServerMetrics()
+        self.scheduler = Scheduler(gen, config, self.metrics)
+        self.created = int(time.time())
 
-    def check_body(body: _Body, prompts: int) -> tuple[SamplingParams, list[str]]:
+    # -- routes ---------------------------------------------------------------------------------
+
+    async def health(self):
+        return {"status": "ok", "batch": len(self.scheduler.engine.rows), "waiting": self.scheduler.waiting()}
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                            "owned_by": "specdec"}]}
+
+    async def prometheus(self):
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, body: CompletionBody, request: HTTPRequest):
+        texts = _completion_texts(body, self.gen.target.model.vocab_size)
+        self.check_body(body, len(texts or [0]))  # before the tokenizer's work
+        # Tokenizing is CPU work (seconds for a few MB): a worker thread, so /health and the
+        # other requests' streams go on meanwhile.
+        prompts = [list(body.prompt)] if texts is None else await asyncio.to_thread(self.tokenize, texts)
+        jobs = self.prepare(body, prompts, 16, "prompt")
+        self.scheduler.submit(jobs)
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(index: int, text: str, finish: str | None) -> dict:
+            return {"id": rid, "object": "text_completion", "created": now, "model": self.name,
+                    "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        if body.stream:
+            return self.stream(jobs, chunk, _include_usage(body), [])
+        collected = await self.collect(request, jobs)
+        if isinstance(collected, JSONResponse):
+            return collected
+        choices, usage = collected
+        for c in choices:
+            c["logprobs"] = None
+        return {"id": rid, "object": "text_completion", "created": now, "model": self.name, "choices": choices,
+                "usage": usage}
+
+    async def chat(self, body: ChatBody, request: HTTPRequest):
+        messages = _chat_messages(body)
+        self.check_body(body, 1)
+        try:  # the template and the tokenizer in a worker thread (see completions)
+            prompt = await asyncio.to_thread(self.gen.encode_chat, messages)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "messages") from None
+        if body.max_completion_tokens and not body.max_tokens:
+            body.max_tokens = body.max_completion_tokens
+        jobs = self.prepare(body, [prompt], None, "messages")
+        self.scheduler.submit(jobs)
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(index: int, text: str, finish: str | None, delta: dict | None = None) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": self.name,
+                    "choices": [{"index": index, "delta": delta if delta is not None else {"content": text} if text else {},
+                                 "logprobs": None, "finish_reason": finish}]}
+
+        if body.stream:
+            firsts = [chunk(j.index, "", None, {"role": "assistant", "content": ""}) for j in jobs]
+            return self.stream(jobs, chunk, _include_usage(body), firsts)
+        collected = await self.collect(request, jobs)
+        if isinstance(collected, JSONResponse):
+            return collected
+        choices, usage = collected
+        return {"id": rid, "object": "chat.completion", "created": now, "model": self.name, "usage": usage,
+                "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                             "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]}
+
+    # -- a request's steps ----------------------------------------------------------------------
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        tok = self.gen.target.tokenizer
+        return [tok(t)["input_ids"] for t in texts]
+
+    def check_body(self, body: _Body, prompts: int) -> tuple[SamplingParams, list[str]]:
         """What can be checked before tokenizing: the model, the parameters, the request's size."""
-        if body.model != name:
-            raise BadRequest(f"the model {body.model!r} does not exist; this server serves {name!r}", "model", "model_not_found")
+        if body.model != self.name:
+            raise BadRequest(f"the model {body.model!r} does not exist; this server serves {self.name!r}", "model",
+                             "model_not_found")
         _unsupported(body)
-        if prompts * body.n > config.max_queue:  # it could never be queued: not a 429 to retry
+        if prompts * body.n > self.config.max_queue:  # it could never be queued: not a 429 to retry
             raise BadRequest(f"{prompts} prompts x n = {body.n} choices exceed this server's queue of "
-                             f"{config.max_queue} (max_queue)", "prompt" if prompts > 1 else "n")
+                             f"{self.config.max_queue} (max_queue)", "prompt" if prompts > 1 else "n")
         return _params(body), _stops(body)
 
-    def prepare(body: _Body, prompts: list[list[int]], default_max: int | None, param: str) -> list[Job]:
-        params, stops = check_body(body, len(prompts))
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+    def prepare(self, body: _Body, prompts: list[list[int]], default_max: int | None, param: str) -> list[Job]:
+        """One job per prompt and choice, each checked against the engine's limits."""
+        params, stops = self.check_body(body, len(prompts))
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
         jobs = []
         for p, prompt in enumerate(prompts):
-            if not prompt:
-                raise BadRequest("the prompt is empty", param)
-            room = config.max_model_len - len(prompt)
-            if room < 1:
-                raise BadRequest(f"the prompt ({len(prompt)} tokens) leaves no room for a completion: it exceeds this "
-                                 f"server's limit of {config.max_model_len - 1} prompt tokens (max_model_len "
-                                 f"{config.max_model_len}, prompt and completion together)", param,
-                                 "context_length_exceeded")
-            max_new = body.max_tokens or (min(default_max, room) if default_max else room)
+            max_new = self._max_new_tokens(body, prompt, default_max, param)
             for c in range(body.n):
                 seed = None if body.seed is None else (body.seed + c) % (MAX_SEED + 1)
                 request = Request(prompt, params, max_new, seed)
                 try:
-                    scheduler.check(request)
+                    self.scheduler.check(request)
                 except ValueError as exc:
-                    raise BadRequest(str(exc), "max_tokens" if body.max_tokens else param, "context_length_exceeded") from None
-                jobs.append(Job(p * body.n + c, request, TextStream(gen.target.tokenizer, stops), stops, events, loop,
-                                n_choices=body.n))
+                    raise BadRequest(str(exc), "max_tokens" if body.max_tokens else param,
+                                     "context_length_exceeded") from None
+                jobs.append(Job(p * body.n + c, request, TextStream(self.gen.target.tokenizer, stops), stops, events,
+                                loop, n_choices=body.n))
         return jobs
 
-    async def collect(request: HTTPRequest, jobs: list[Job]) -> tuple[list[dict], dict] | JSONResponse:
+    def _max_new_tokens(self, body: _Body, prompt: list[int], default_max: int | None, param: str) -> int:
+        if not prompt:
+            raise BadRequest("the prompt is empty", param)
+        limit = self.config.max_model_len
+        room = limit - len(prompt)
+        if room < 1:
+            raise BadRequest(f"the prompt ({len(prompt)} tokens) leaves no room for a completion: it exceeds this "
+                             f"server's limit of {limit - 1} prompt tokens (max_model_len {limit}, prompt and "
+                             "completion together)", param, "context_length_exceeded")
+        return body.max_tokens or (min(default_max, room) if default_max else room)
+
+    async def collect(self, request: HTTPRequest, jobs: list[Job]) -> tuple[list[dict], dict] | JSONResponse:
         """Wait for every job's final event. A client that leaves cancels its jobs at once (the
         engine drops their rows before its next step); a job that fails fails the request."""
         texts = [""] * len(jobs)
@@ -286,134 +369,86 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
                 await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
-                    scheduler.cancel(jobs)
+                    self.scheduler.cancel(jobs)
                     raise asyncio.CancelledError
                 index, event = get.result()
                 if "error" in event:
-                    scheduler.cancel(jobs)
+                    self.scheduler.cancel(jobs)
                     return _error(500, event["error"], "server_error", code=event.get("finish_reason"))
                 texts[index] += event.get("text", "")
                 if "finish_reason" in event:
                     finals[index] = event
         finally:
             gone.cancel()
-        return [{"index": i, "text": t, "finish_reason": f["finish_reason"]} for i, (t, f) in enumerate(zip(texts, finals))], \
-            _sum_usage([f.get("usage") for f in finals], _prompt_tokens(jobs))
+        choices = [{"index": i, "text": t, "finish_reason": f["finish_reason"]} for i, (t, f) in enumerate(zip(texts, finals))]
+        return choices, _sum_usage([f.get("usage") for f in finals], _prompt_tokens(jobs))
 
-    def stream(jobs: list[Job], make_chunk, include_usage: bool, first_chunks: list[dict]):
-        async def events():
-            done = 0
-            usages = []
-            try:
-                for chunk in first_chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                queue = jobs[0].events
-                while done < len(jobs):
-                    index, event = await queue.get()
-                    if "error" in event:  # a failed choice, or a server at the end of its grace period
-                        error = {"message": event["error"], "type": "server_error", "param": None,
-                                 "code": event.get("finish_reason")}
-                        yield f"data: {json.dumps(make_chunk(index, '', event.get('finish_reason', 'error')) | {'error': error})}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
-                    finish = event.get("finish_reason")
-                    if event.get("text") or finish:
-                        yield f"data: {json.dumps(make_chunk(index, event.get('text', ''), finish))}\n\n"
-                    if finish:
-                        done += 1
-                        usages.append(event.get("usage"))
-                if include_usage:
-                    chunk = make_chunk(0, "", None)
-                    chunk["choices"] = []
-                    chunk["usage"] = _sum_usage(usages, _prompt_tokens(jobs))
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                if done < len(jobs):  # the client went away (or the server stops): free the rows
-                    scheduler.cancel(jobs)
+    def stream(self, jobs: list[Job], make_chunk, include_usage: bool, first_chunks: list[dict]) -> StreamingResponse:
+        """Server-sent events: each committed text as a chunk, then usage (if asked) and [DONE];
+        a failed choice ends the stream with an error chunk and [DONE]."""
+        return StreamingResponse(self._events(jobs, make_chunk, include_usage, first_chunks),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async def _events(self, jobs: list[Job], make_chunk, include_usage: bool, first_chunks: list[dict]):
+        done, usages = 0, []
+        try:
+            for chunk in first_chunks:
+                yield _sse(chunk)
+            queue = jobs[0].events
+            while done < len(jobs):
+                index, event = await queue.get()
+                finish = event.get("finish_reason")
+                if "error" in event:  # a failed choice, or a server at the end of its grace period
+                    error = {"message": event["error"], "type": "server_error", "param": None, "code": finish}
+                    yield _sse(make_chunk(index, "", finish or "error") | {"error": error})
+                    yield "data: [DONE]\n\n"
+                    return
+                if event.get("text") or finish:
+                    yield _sse(make_chunk(index, event.get("text", ""), finish))
+                if finish:
+                    done += 1
+                    usages.append(event.get("usage"))
+            if include_usage:
+                yield _sse(make_chunk(0, "", None) | {"choices": [], "usage": _sum_usage(usages, _prompt_tokens(jobs))})
+            yield "data: [DONE]\n\n"
+        finally:
+            if done < len(jobs):  # the client went away (or the server stops): free the rows
+                self.scheduler.cancel(jobs)
 
-    def tokenize(texts: list[str]) -> list[list[int]]:
-        tok = gen.target.tokenizer
-        return [tok(t)["input_ids"] for t in texts]
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: HTTPRequest):
-        if isinstance(body.prompt, str):
-            texts = [_text(body.prompt, "prompt")]
-        elif body.prompt and isinstance(body.prompt[0], int):
-            texts = None
-            vocab = gen.target.model.vocab_size
-            if any(not 0 <= t < vocab for t in body.prompt):
-                raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
-        else:
-            texts = [_text(p, "prompt") for p in body.prompt]
-        if texts == []:
-            raise BadRequest("the prompt is empty", "prompt")
-        check_body(body, len(texts or [0]))  # before the tokenizer's work
-        # Tokenizing is CPU work (seconds for a few MB): a worker thread, so /health and the
-        # other requests' streams go on meanwhile.
-        prompts = [list(body.prompt)] if texts is None else await asyncio.to_thread(tokenize, texts)
-        jobs = prepare(body, prompts, 16, "prompt")
-        scheduler.submit(jobs)
-        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+def _sse(chunk: dict) -> str:
+    return f"data: {json.dumps(chunk)}\n\n"
 
-        def chunk(index: int, text: str, finish: str | None) -> dict:
-            return {"id": rid, "object": "text_completion", "created": now, "model": name,
-                    "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-        if body.stream:
-            return stream(jobs, chunk, bool((body.stream_options or {}).get("include_usage")), [])
-        collected = await collect(request, jobs)
-        if isinstance(collected, JSONResponse):
-            return collected
-        choices, usage = collected
-        for c in choices:
-            c["logprobs"] = None
-        return {"id": rid, "object": "text_completion", "created": now, "model": name, "choices": choices, "usage": usage}
+def _include_usage(body: _Body) -> bool:
+    return bool((body.stream_options or {}).get("include_usage"))
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, request: HTTPRequest):
-        messages = []
-        for i, m in enumerate(body.messages):
-            content = m.content
-            if isinstance(content, list):  # text parts only
-                if any(part.get("type") != "text" or not isinstance(part.get("text", ""), str) for part in content):
-                    raise BadRequest("only text content parts are supported", f"messages.{i}.content")
-                content = "".join(part.get("text", "") for part in content)
-            messages.append({"role": "system" if m.role == "developer" else m.role,
-                             "content": _text(content or "", f"messages.{i}.content")})
-        check_body(body, 1)
-        try:  # the template and the tokenizer in a worker thread (see completions)
-            prompt = await asyncio.to_thread(gen.encode_chat, messages)
-        except ValueError as exc:
-            raise BadRequest(str(exc), "messages") from None
-        if body.max_completion_tokens and not body.max_tokens:
-            body.max_tokens = body.max_completion_tokens
-        jobs = prepare(body, [prompt], None, "messages")
-        scheduler.submit(jobs)
-        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(index: int, text: str, finish: str | None) -> dict:
-            delta = {"content": text} if text else {}
-            return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+def _completion_texts(body: CompletionBody, vocab: int) -> list[str] | None:
+    """The prompts' texts (None: one prompt given as token ids, checked against ``vocab``)."""
+    if isinstance(body.prompt, str):
+        return [_text(body.prompt, "prompt")]
+    if body.prompt and isinstance(body.prompt[0], int):
+        if any(not 0 <= t < vocab for t in body.prompt):
+            raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return None
+    if not body.prompt:
+        raise BadRequest("the prompt is empty", "prompt")
+    return [_text(p, "prompt") for p in body.prompt]
 
-        if body.stream:
-            firsts = [{"id": rid, "object": "chat.completion.chunk", "created": now, "model": name,
-                       "choices": [{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}]} for j in jobs]
-            return stream(jobs, chunk, bool((body.stream_options or {}).get("include_usage")), firsts)
-        collected = await collect(request, jobs)
-        if isinstance(collected, JSONResponse):
-            return collected
-        choices, usage = collected
-        return {"id": rid, "object": "chat.completion", "created": now, "model": name, "usage": usage,
-                "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                             "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]}
 
-    return app
+def _chat_messages(body: ChatBody) -> list[dict[str, str]]:
+    """The messages as the chat template takes them: text parts joined, "developer" as "system"."""
+    messages = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):  # text parts only
+            if any(part.get("type") != "text" or not isinstance(part.get("text", ""), str) for part in content):
+                raise BadRequest("only text content parts are supported", f"messages.{i}.content")
+            content = "".join(part.get("text", "") for part in content)
+        messages.append({"role": "system" if m.role == "developer" else m.role,
+                         "content": _text(content or "", f"messages.{i}.content")})
+    return messages
 
 
 def _sum_usage(usages: list[dict | None], prompt: int) -> dict:

@@ -17,11 +17,12 @@ import asyncio
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdec.api import TextGenerator, TextStream
 from specdec.engine import Engine, Request, RowState, check_stop
 from specdec.server.metrics import ServerMetrics
+from specdec.speculation import SpeculationConfig
 
 # What a finished row's reason is called in the OpenAI format.
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
@@ -29,17 +30,13 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cance
 
 @dataclass
 class ServeConfig:
-    """How the server decodes. ``proposer``: a name from :data:`specdec.proposers.PROPOSERS`
-    already resolved (None: plain decoding). ``max_batch``: rows decoded together;
+    """How the server decodes. ``speculation``: resolved by :meth:`TextGenerator.speculation`
+    (default: plain decoding). ``max_batch``: rows decoded together;
     ``max_queue``: requests waiting for a row before new ones get 429; ``max_model_len``: prompt
     + max_tokens per request (sizes each row's KV cache); ``max_request_bytes``: the largest
     request body (413 beyond it)."""
 
-    proposer: str | None = None
-    k: int | str = "auto"
-    k_max: int = 8
-    ngram: tuple[int, int] = (2, 4)
-    exit_layer: int | None = None
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig.plain)
     max_batch: int = 16
     max_queue: int = 64
     max_model_len: int = 2048
@@ -47,7 +44,7 @@ class ServeConfig:
     max_request_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue", "max_model_len", "k_max", "max_request_bytes"):
+        for name in ("max_batch", "max_queue", "max_model_len", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -93,10 +90,10 @@ class Scheduler:
 
     def _new_engine(self) -> Engine:
         config, gen = self.config, self.gen
-        capacity = config.max_model_len + max(config.k_max, config.k if isinstance(config.k, int) else 0) + 2
-        proposer = gen.make_proposer(config.proposer, capacity, config.ngram, config.exit_layer) if config.proposer else None
-        return Engine(gen.target.model, proposer, capacity=capacity, k=config.k if proposer else 0,
-                      k_max=config.k_max, eos_token_ids=gen.eos_token_ids, seed=config.seed,
+        spec = config.speculation
+        capacity = spec.capacity(config.max_model_len)
+        return Engine(gen.target.model, spec.build(gen, capacity), capacity=capacity, k=spec.k,
+                      k_max=spec.k_max, eos_token_ids=gen.eos_token_ids, seed=config.seed,
                       max_batch=config.max_batch)
 
     # -- the event-loop side ------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec.models import cache
+from specdec import cache
 from specdec.proposers.base import SingleSource
 from specdec.runtime.model import Transformer
 

@@ -14,7 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 
-from specdec.models import cache, heads
+from specdec import cache
+from specdec.models import heads
 from specdec.models.loading import LoadedModel
 from specdec.proposers.head import HeadNet, read_head, save_head
 from specdec.training import corpus, features

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec.models import cache
+from specdec import cache
 from specdec.proposers.head import HeadConfig, HeadNet
 
 

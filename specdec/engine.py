@@ -30,13 +30,13 @@ from typing import Callable, Iterator
 import torch
 
 from specdec.adaptive import K_MAX, AdaptiveK, ShapeRace, TreeBudget
+from specdec.blocks import Block, ChainBlock, RowKind, block_of, row_kind
 from specdec.metrics import GenerationMetrics, Timings
 from specdec.proposers.base import Proposal, Proposer
 from specdec.runtime import elementwise
 from specdec.runtime.model import Transformer
 from specdec.sampling import SamplingParams, probs_per_row, sample_at
-from specdec.reproducible import PositionUniforms, put_rows, verify_chain_drawn, verify_tree_drawn
-from specdec.tree import TreeVerification, ancestor_mask, verify_tree_unchecked
+from specdec.reproducible import PositionUniforms
 from specdec.verify import ChainVerification, verify_chain_unchecked
 
 MAX_SEED = 2**63 - 2  # the draft's generator gets seed + 1: both must fit a signed 64-bit integer
@@ -76,55 +76,6 @@ def commit_tokens(res: RowResult, ids: list[int], eos_token_ids, max_new_tokens:
         if res.finish_reason != "length" or len(res.token_ids) >= max_new_tokens:
             return False
     return True
-
-
-def score_chain(target: Transformer, cache, last: torch.Tensor, proposal: Proposal, want_hidden: bool):
-    """One target call over ``[last committed token, d_1..d_k]`` -> logits ``[B, k+1, V]`` (and
-    the block's features ``[B, k+1, E]`` when ``want_hidden``, else None)."""
-    block = torch.cat([last.unsqueeze(1), proposal.tokens], 1)  # [B, k+1]
-    out = target(block, cache, return_hidden=want_hidden)
-    return out if want_hidden else (out, None)
-
-
-def score_tree(target: Transformer, cache, last: torch.Tensor, proposal: Proposal, want_hidden: bool):
-    """One target call over ``[root, node_0..node_{N-1}]``: each node attends to the committed
-    slots, the root and its ancestors, at position prefix + depth — so its logits are exactly
-    those the same path would get as a chain. Padding nodes score a dummy token, unused."""
-    tokens, parents = proposal.tokens, proposal.parents  # [B, N]
-    batch, n = tokens.shape
-    mask = torch.zeros(batch, n + 1, n + 1, dtype=torch.bool)  # [B, N+1, N+1]
-    mask[:, :, 0] = True
-    mask[:, 1:, 1:] = ancestor_mask(parents)
-    depth = torch.cat([torch.zeros(batch, 1, dtype=torch.long), proposal.node_depths], 1)  # [B, N+1]
-    block = torch.cat([last.unsqueeze(1), tokens.clamp(min=0)], 1)  # [B, N+1]
-    out = target(block, cache, tree_mask=mask, positions=cache.lengths.unsqueeze(1) + depth, return_hidden=want_hidden)
-    return out if want_hidden else (out, None)
-
-
-def commit_kv(cache, before: torch.Tensor, result, hidden: torch.Tensor | None):
-    """Keep the KV of the fed token and the accepted drafts, drop the rest: O(1) for a chain
-    (truncate), O(accepted) for a tree (the accepted branch is compacted into place). Returns
-    ``[B]`` the last committed token of each row (replacement or bonus; its KV is written at the
-    next step) and the features of the fed token and accepted drafts in order ``[B, D+1, E]``."""
-    if isinstance(result, TreeVerification):
-        cache.keep_path(before, result.path, result.num_accepted)
-        if hidden is not None:  # root, then the accepted path's nodes (-1 padding reads the root)
-            index = torch.cat([torch.zeros_like(result.path[:, :1]), result.path + 1], 1).clamp(min=0)
-            hidden = hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    else:
-        cache.truncate(before + 1 + result.num_accepted)
-    return result.tokens.gather(1, result.num_accepted.unsqueeze(1)).squeeze(1), hidden
-
-
-def draft_depth(proposal: Proposal) -> list[int]:
-    """The draft positions each row offered: k for a chain, the tree's depth."""
-    if not proposal.is_tree:
-        return [proposal.size] * proposal.tokens.shape[0]
-    if proposal.size == 0:
-        return [0] * proposal.tokens.shape[0]
-    return proposal.node_depths.max(1).values.tolist()
-
-
 
 
 @dataclass
@@ -324,7 +275,7 @@ class Engine:
             self.cache.set_lengths(len(self.rows), rows.lengths)
         self.metrics.target_calls += 1
         with self.timer.phase("verification"):
-            first = self._verify(joining, logits, Proposal(torch.zeros(len(joining), 0, dtype=torch.long), None))
+            first = self._verify(joining, logits, ChainBlock(Proposal(torch.zeros(len(joining), 0, dtype=torch.long), None)))
         if self.proposer is not None:
             with self.timer.phase("draft"):
                 self.proposer.add(prompts, params, self.g_draft, target_hidden=hidden)
@@ -348,27 +299,26 @@ class Engine:
         # time on their first tokens, which say nothing about the cost of a draft token.
         mark = dict(self.timer.step)
         controller = self._controller(pending)
-        proposal = self._propose(controller, pending)
+        block = self._propose(controller, pending)
         with self.timer.phase("target_forward"):
             before = self.cache.lengths.clone()
-            score = score_tree if proposal.is_tree else score_chain
-            logits, hidden = score(self.target, self.cache, self.last, proposal, self.want_hidden)
+            logits, hidden = block.score(self.target, self.cache, self.last, self.want_hidden)
         self.metrics.target_calls += 1
         with self.timer.phase("verification"):
-            result = self._verify(self.rows, logits, proposal)
+            result = self._verify(self.rows, logits, block)
         with self.timer.phase("cache"):
-            self.last, hidden = commit_kv(self.cache, before, result, hidden)
+            self.last, hidden = block.commit_kv(self.cache, before, result, hidden)
         if self.proposer is not None:
             with self.timer.phase("draft"):
                 self.proposer.observe(result.num_accepted, target_hidden=hidden)
         if controller is not None:
             t = self.timer.since(mark)
-            controller.observe_step(proposal, result, t.get("draft", 0.0), t["target_forward"] + t["verification"],
+            controller.observe_step(block.proposal, result, t.get("draft", 0.0), t["target_forward"] + t["verification"],
                                     caught_up=self.proposer.caught_up)
             if self.races is not None:
-                self.races[self._source].observe(proposal.is_tree, int(result.num_accepted.sum()) + len(self.rows),
+                self.races[self._source].observe(block.trees, int(result.num_accepted.sum()) + len(self.rows),
                                                  t.get("draft", 0.0) + t["target_forward"] + t["verification"] + t.get("cache", 0.0))
-        self._record(proposal, result)
+        self._record(block, result)
         return list(self.rows)
 
     def _controller(self, pending: list[list[int]]) -> AdaptiveK | TreeBudget | None:
@@ -385,12 +335,12 @@ class Engine:
             self.controllers[key] = TreeBudget(self.k_max) if trees else AdaptiveK(k_max=self.k_max)
         return self.controllers[key]
 
-    def _propose(self, controller, pending: list[list[int]]) -> Proposal:
+    def _propose(self, controller, pending: list[list[int]]) -> Block:
         """The drafts of this step: a chain of at most k tokens per row (one token fewer than the
         longest row still needs), or a tree of at most k nodes that deep; none without a proposer."""
         batch = len(self.rows)
         if self.proposer is None:
-            return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
+            return ChainBlock(Proposal(torch.zeros(batch, 0, dtype=torch.long), None))
         remaining = max(r.request.max_new_tokens - len(r.token_ids) for r in self.rows)
         # The block writes positions lengths .. lengths + k of every row: no row may pass the
         # context (ragged acceptance can leave a long row near its end while others still draft).
@@ -402,55 +352,39 @@ class Engine:
             proposal = self.proposer.propose(pending, k)
             if proposal.size > k:
                 raise ValueError(f"the proposer returned {proposal.size} tokens, more than k={k}")
-            if proposal.is_tree:
-                proposal = proposal.cut_depth(depth_cap)
-                if controller is not None:
-                    proposal = proposal.prune(controller.nodes(proposal))
-        return proposal
+            return block_of(proposal).fit(depth_cap, controller)
 
-    def _verify(self, rows: list[RowState], logits: torch.Tensor, proposal: Proposal):
-        """``logits`` ``[B, k+1, V]`` (a tree: ``[B, N+1, V]``) -> the committed tokens. Three
-        kinds of rows: greedy ones commit the target's argmax (a one-hot ``p``: no probabilities
-        needed, and rejection sampling would commit the same tokens); rows with a seed commit
-        the target's inverse-CDF draws at their own uniforms (:mod:`specdec.reproducible`); the
-        others go through rejection sampling from the engine's stream (the best acceptance of
-        sampled drafts)."""
+    def _verify(self, rows: list[RowState], logits: torch.Tensor, block: Block):
+        """``logits`` ``[B, k+1, V]`` (a tree: ``[B, N+1, V]``) -> the committed tokens, each row by
+        its :class:`~specdec.blocks.RowKind`: greedy rows commit the target's argmax, seeded rows
+        the target's inverse-CDF draws at their own uniforms, the others go through rejection
+        sampling from the engine's stream (the best acceptance of sampled drafts)."""
         if not elementwise.all_finite(logits):
             logits = self._fail_non_finite(rows, logits)
         batch = len(rows)
-        kinds = [0 if r.request.params.greedy else 1 if r.uniforms is not None else 2 for r in rows]
-        other = [i for i, kind in enumerate(kinds) if kind == 2]
+        kinds = [row_kind(r.request.params.greedy, r.uniforms is not None) for r in rows]
+        other = [i for i, kind in enumerate(kinds) if kind is RowKind.REJECTION]
         rejection = None
         if other:
             whole = len(other) == batch
-            part = proposal if whole else proposal.rows(torch.tensor(other))
+            part = block if whole else block.rows(torch.tensor(other))
             probs = probs_per_row(logits if whole else logits[other], [rows[i].request.params for i in other])
-            if proposal.is_tree:
-                rejection = verify_tree_unchecked(probs, part.probs, part.tokens, part.parents, self.g_verify,
-                                                  without_replacement=part.without_replacement)
-            else:
-                rejection = self.verifier(probs, part.probs, part.tokens, self.g_verify)
+            rejection = part.verify_sampled(probs, self.g_verify, self.verifier)
             if whole:
                 return rejection
         drawn = torch.zeros(logits.shape[:2], dtype=torch.long)  # [B, k+1]: the target's token at each slot
-        greedy = [i for i, kind in enumerate(kinds) if kind == 0]
+        greedy = [i for i, kind in enumerate(kinds) if kind is RowKind.GREEDY]
         if greedy:
             drawn[greedy] = elementwise.argmax(logits if len(greedy) == batch else logits[greedy])
-        seeded = [i for i, kind in enumerate(kinds) if kind == 1]
+        seeded = [i for i, kind in enumerate(kinds) if kind is RowKind.REPRODUCIBLE]
         if seeded:
-            depth = proposal.node_depths[seeded] if proposal.is_tree else None
-            width = (int(depth.max()) if proposal.size else 0) + 1 if proposal.is_tree else proposal.size + 1
+            width = block.draw_width(seeded)
             u = torch.stack([rows[i].uniforms.take(len(rows[i].token_ids), width) for i in seeded])  # [S, width]
-            if proposal.is_tree:  # every slot at depth d draws with u_d (siblings share their position)
-                u = u.gather(1, torch.cat([torch.zeros(len(seeded), 1, dtype=torch.long), depth], 1))
             probs = probs_per_row(logits[seeded], [rows[i].request.params for i in seeded])
-            drawn[seeded] = sample_at(probs, u)
-        if proposal.is_tree:
-            result = verify_tree_drawn(drawn, proposal.tokens, proposal.parents, proposal.node_depths)
-        else:
-            result = verify_chain_drawn(drawn, proposal.tokens)
+            drawn[seeded] = sample_at(probs, block.slot_uniforms(u, seeded))
+        result = block.verify_drawn(drawn)
         if rejection is not None:
-            put_rows(result, torch.tensor(other), rejection)
+            block.put_rows(result, torch.tensor(other), rejection)
         return result
 
     def _fail_non_finite(self, rows: list[RowState], logits: torch.Tensor) -> torch.Tensor:
@@ -469,11 +403,10 @@ class Engine:
             row.result.error = message
         self.cancel(row, "error")
 
-    def _record(self, proposal: Proposal, result) -> None:
+    def _record(self, block: Block, result) -> None:
         """Per-row acceptance bookkeeping (one tolist per quantity, no per-row tensor ops) and
         the commit of each row's tokens."""
-        depth, accepted = draft_depth(proposal), result.num_accepted.tolist()
-        scored = (proposal.tokens >= 0).sum(1).tolist() if proposal.is_tree else depth
+        depth, accepted, scored = block.depth, result.num_accepted.tolist(), block.scored
         committed = result.tokens.tolist()
         for i, row in enumerate(self.rows):
             metrics = row.result.metrics

@@ -34,7 +34,7 @@ from specdec.sampling import sample_at
 from specdec.tree import TreeVerification
 from specdec.verify import ChainVerification
 
-__all__ = ["PositionUniforms", "put_rows", "verify_chain_at", "verify_chain_drawn", "verify_tree_at", "verify_tree_drawn"]
+__all__ = ["PositionUniforms", "verify_chain_at", "verify_chain_drawn", "verify_tree_at", "verify_tree_drawn"]
 
 
 class PositionUniforms:
@@ -109,14 +109,3 @@ def verify_tree_drawn(drawn: torch.Tensor, tokens: torch.Tensor, parents: torch.
         out[:, :max_depth] = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1)
     out[rows, num_accepted] = drawn[rows, node + 1]  # the draw after the accepted path
     return TreeVerification(num_accepted=num_accepted, tokens=out, path=path)
-
-
-def put_rows(into, rows: torch.Tensor, part) -> None:
-    """Write a verification of a subset of the rows (``rows`` ``[R]``) into one of the whole
-    batch, in place. A subset's tree may be shallower than the batch's: the rest stays -1."""
-    into.num_accepted[rows] = part.num_accepted
-    into.tokens[rows] = -1
-    into.tokens[rows, : part.tokens.shape[1]] = part.tokens
-    if isinstance(into, TreeVerification):
-        into.path[rows] = -1
-        into.path[rows, : part.path.shape[1]] = part.path

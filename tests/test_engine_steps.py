@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.engine import RowResult, commit_kv, commit_tokens
+from specdec.blocks import ChainBlock
+from specdec.engine import RowResult, commit_tokens
+from specdec.proposers.base import Proposal
 from specdec.runtime.kv_cache import KVCache
 from specdec.verify import ChainVerification
 
@@ -63,7 +65,8 @@ def test_rollback_keeps_the_fed_token_and_the_accepted_drafts():
     cache.advance(before + 4)  # a block of k + 1 = 4 tokens was written
     result = ChainVerification(num_accepted=torch.tensor([0, 3, 1]),
                                tokens=torch.tensor([[11, -1, -1, -1], [1, 2, 3, 12], [4, 13, -1, -1]]))
-    last, hidden = commit_kv(cache, before, result, torch.arange(12.0).view(3, 4, 1))
+    block = ChainBlock(Proposal(torch.zeros(3, 3, dtype=torch.long), None))  # k = 3
+    last, hidden = block.commit_kv(cache, before, result, torch.arange(12.0).view(3, 4, 1))
     assert cache.lengths.tolist() == [6, 11, 11]  # before + 1 + accepted
     assert last.tolist() == [11, 12, 13]  # the replacement / bonus token of each row
     assert torch.equal(hidden, torch.arange(12.0).view(3, 4, 1))  # a chain's features are already in order

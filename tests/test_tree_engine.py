@@ -9,7 +9,8 @@ import torch
 
 import specdec.tree as tree_module
 from specdec.adaptive import TreeBudget
-from specdec.engine import Engine, Request, commit_kv, generate, score_tree
+from specdec.blocks import TreeBlock
+from specdec.engine import Engine, Request, generate
 from specdec.proposers import HybridProposer
 from specdec.proposers.base import Proposal
 from specdec.proposers.head import DraftHead, HeadConfig, HeadNet, HeadTreeProposer
@@ -211,10 +212,10 @@ def test_compaction_after_a_tree_step_equals_fresh_computation(target):
     target(torch.tensor([prompt[:-1]]), cache)
     before = cache.lengths.clone()
     proposal = Proposal(tokens, None, parents=parents, scores=torch.ones(1, 5))
-    logits, _ = score_tree(target, cache, torch.tensor([prompt[-1]]), proposal, False)
+    logits, _ = TreeBlock(proposal).score(target, cache, torch.tensor([prompt[-1]]), False)
     result = verify_tree(probs_from_logits(logits, GREEDY), None, tokens, parents)
     assert result.path.tolist() == [[1, 3, 4]]
-    last, _ = commit_kv(cache, before, result, None)
+    last, _ = TreeBlock(proposal).commit_kv(cache, before, result, None)
     committed = prompt + [a, b, c]
     fresh = target.new_cache(1, 64)
     target(torch.tensor([committed]), fresh)

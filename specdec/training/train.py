@@ -239,10 +239,11 @@ def train(net: HeadNet, data: Dataset, train_ids: list[int], cfg: TrainConfig, c
 
 @torch.no_grad()
 def evaluate(net: HeadNet, data: Dataset, ids: list[int], passes: int, full_rows: torch.Tensor,
-             batch: int = 4, answer_header: list[int] | None = None, ends: set[int] | None = None) -> dict:
+             batch: int = 4, answer_header: list[int] | None = None, ends: set[int] | None = None,
+             temperature: float = 1.0) -> dict:
     """Held-out acceptance per draft position, teacher-forced tokens, the head's own features:
     ``alpha[m]`` = mean over slots of sum_x min(p(x), q(x)) (the chance a sampled draft at step
-    m is accepted, T = 1) and ``greedy[m]`` = how often argmax q == argmax p (greedy acceptance),
+    m is accepted, both at ``temperature``) and ``greedy[m]`` = how often argmax q == argmax p (greedy acceptance),
     both with ``p`` the target's full-vocabulary distribution (``full_rows`` [V, E]); and the
     subset's coverage of the target's argmax. With ``answer_header``, only the slots that
     predict an assistant's token count (:func:`answer_mask`)."""
@@ -252,7 +253,7 @@ def evaluate(net: HeadNet, data: Dataset, ids: list[int], passes: int, full_rows
     subset[net.vocab_ids] = True
     for s in range(0, len(ids), batch):
         tokens, feats, lengths = data.batch(ids[s : s + batch])
-        p = torch.softmax(torch.nn.functional.linear(net.normed(feats[:, 1:]), full_rows.float()), -1)  # [B, L-1, V]
+        p = torch.softmax(torch.nn.functional.linear(net.normed(feats[:, 1:]), full_rows.float()) / temperature, -1)  # [B, L-1, V]
         top = p.argmax(-1)
         slots = torch.arange(tokens.shape[1] - 1)
         inside = slots.view(1, -1) + 1 < lengths.view(-1, 1)
@@ -261,7 +262,7 @@ def evaluate(net: HeadNet, data: Dataset, ids: list[int], passes: int, full_rows
         covered += int((subset[top] & inside).sum())
         total += int(inside.sum())
         for m, out in enumerate(net.passes(feats, tokens, passes), start=1):
-            q = torch.softmax(net.target_logits(out[:, :-1]), -1)  # [B, L-1, N]
+            q = torch.softmax(net.target_logits(out[:, :-1]) / temperature, -1)  # [B, L-1, N]
             valid = inside & (slots.view(1, -1) >= m - 1)
             alpha = torch.minimum(p[..., net.vocab_ids], q).sum(-1)
             hit = net.vocab_ids[q.argmax(-1)] == top

@@ -137,7 +137,8 @@ class Proposer(Protocol):
 
     def next_source(self, pending: list[list[int]]) -> str:
         """Which proposer the next ``propose`` uses ("default" for a single one): adaptive k keeps
-        one controller per source."""
+        one controller per source. The engine passes ``next_source`` and the ``propose`` of the
+        same step the same ``pending`` list object (a hybrid feeds its lookup index once per list)."""
 
     def use_trees(self, on: bool) -> None:
         """Ask a proposer that drafts trees for chains instead (``on`` False) or trees again; the
@@ -162,6 +163,20 @@ class Proposer(Protocol):
 
     def retain(self, rows: list[int]) -> None:
         """Keep only these rows (by current position, in this order); the others have left."""
+
+
+class LookupProposer(Proposer, Protocol):
+    """A proposer that drafts by looking the committed text up (n-gram, suffix): what a
+    :class:`~specdec.proposers.hybrid.HybridProposer` calls besides the :class:`Proposer` protocol."""
+
+    def feed(self, pending: list[list[int]]) -> None:
+        """Index the tokens committed since the last call (once per step's ``pending`` list)."""
+
+    def has_match(self, k: int = 1) -> list[bool]:
+        """Per row: whether a lookup would draft now (after :meth:`feed`)."""
+
+    def lookup(self, k: int) -> Proposal:
+        """Draft up to ``k`` tokens per row from the index, without feeding it again."""
 
 
 class SingleSource:

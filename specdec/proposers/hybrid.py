@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal
-from specdec.proposers.ngram import NgramProposer
-from specdec.proposers.suffix import SuffixProposer
+from specdec.proposers.base import LookupProposer, Proposal, Proposer
 from specdec.sampling import SamplingParams
 
 
 class HybridProposer:
-    def __init__(self, ngram: NgramProposer | SuffixProposer, model_draft) -> None:
-        if ngram.emits_trees != model_draft.emits_trees:
+    def __init__(self, lookup_side: LookupProposer, model_draft: Proposer) -> None:
+        if lookup_side.emits_trees != model_draft.emits_trees:
             raise ValueError("a hybrid's two proposers must both emit chains or both emit trees")
-        self.ngram, self.model_draft = ngram, model_draft
+        self.lookup_side, self.model_draft = lookup_side, model_draft
         self._queued: list[list[int]] = []
         self._fresh: list[list[int]] | None = None
         self._used = None
@@ -32,13 +30,13 @@ class HybridProposer:
     def emits_trees(self) -> bool:
         """The two sides' shape (tree proposers draft chains while every row samples or when
         asked, both by the same rule: :func:`~specdec.proposers.base.tree_shape`)."""
-        trees = self.ngram.emits_trees
+        trees = self.lookup_side.emits_trees
         if trees != self.model_draft.emits_trees:
             raise ValueError("a hybrid's two proposers must both emit chains or both emit trees")
         return trees
 
     def use_trees(self, on: bool) -> None:
-        self.ngram.use_trees(on)
+        self.lookup_side.use_trees(on)
         self.model_draft.use_trees(on)
 
     @property
@@ -47,7 +45,7 @@ class HybridProposer:
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
             target_hidden: torch.Tensor | None = None) -> None:
-        self.ngram.add(prompts, params, generator)
+        self.lookup_side.add(prompts, params, generator)
         self.model_draft.add(prompts, params, generator, target_hidden=target_hidden)
         self._queued += [[] for _ in prompts]
         self._fresh = None
@@ -55,17 +53,17 @@ class HybridProposer:
     def next_source(self, pending: list[list[int]]) -> str:
         """Which proposer the next ``propose(pending, k)`` will use (feeds the n-gram index)."""
         if self._fresh is not pending:
-            self.ngram.feed(pending)
+            self.lookup_side.feed(pending)
             self._fresh = pending
-        return "ngram" if all(self.ngram.has_match()) else "draft"
+        return "ngram" if all(self.lookup_side.has_match()) else "draft"
 
     def propose(self, pending: list[list[int]], k: int) -> Proposal:
         source = self.next_source(pending)
         self._fresh = None
         self._queued = [q + p for q, p in zip(self._queued, pending)]
         if source == "ngram":
-            self._used = self.ngram
-            return self.ngram.lookup(k)
+            self._used = self.lookup_side
+            return self.lookup_side.lookup(k)
         self._used = self.model_draft
         queued, self._queued = self._queued, [[] for _ in self._queued]
         return self.model_draft.propose(queued, k)
@@ -80,7 +78,7 @@ class HybridProposer:
             self.model_draft.observe(num_accepted, target_hidden=target_hidden)
 
     def retain(self, rows: list[int]) -> None:
-        self.ngram.retain(rows)
+        self.lookup_side.retain(rows)
         self.model_draft.retain(rows)
         self._queued = [self._queued[i] for i in rows]
 

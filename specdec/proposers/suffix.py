@@ -19,6 +19,8 @@ temperature.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specdec.proposers.base import Proposal, SingleSource, tree_shape
@@ -141,6 +143,23 @@ MAX_RULES = 16
 RAW = -1  # node states' mark for the copy without replacements (not a re-entry point)
 
 
+class Cursor(NamedTuple):
+    """Where a row's copy continues."""
+
+    pos: int  # the position in the row's text the copy continues at
+    pending: tuple[int, ...]  # replacement tokens still to come before it
+    rule: tuple[int, ...] | None  # the replacement's key (the source tokens it replaces), if any
+
+
+class NodeState(NamedTuple):
+    """A drafted node's state: the cursor after its token, and how its branch entered the tree."""
+
+    cursor: Cursor
+    entry: int | None  # RAW: the copy without replacements; s >= 0: a re-entry point s tokens past a break
+
+
+
+
 class CopyRow:
     """One row's text and where it is copying from.
 
@@ -163,7 +182,7 @@ class CopyRow:
         self.index = SuffixIndex(max_match)
         self.index.extend(prompt)
         self.prompt_len = len(prompt)
-        self.cursor: tuple[int, tuple[int, ...], tuple[int, ...] | None] | None = None
+        self.cursor: Cursor | None = None
         self.anchor: int | None = None
         self.diverged: list[int] = []
         self.waited = 0
@@ -179,7 +198,7 @@ class CopyRow:
             if pending:
                 tokens.append(pending[0])
                 pending = pending[1:]
-                states.append((pos, pending, rule if pending else None))
+                states.append(Cursor(pos, pending, rule if pending else None))
                 continue
             if pos >= end or text[pos] == SEPARATOR:
                 break
@@ -190,7 +209,7 @@ class CopyRow:
                     continue
             tokens.append(text[pos])
             pos += 1
-            states.append((pos, (), None))
+            states.append(Cursor(pos, (), None))
         return tokens, states, applied
 
     def agreement(self, pos: int, cap: int = 64) -> int:
@@ -211,16 +230,16 @@ class CopyRow:
             if nxt is None:
                 break
             node, matched = nxt, matched + 1
-            if states[node] is not None and states[node][3] == RAW:  # the source stayed where a rule applied
-                pos = states[node][0] - 1
+            if states[node] is not None and states[node].entry == RAW:  # the source stayed where a rule applied
+                pos = states[node].cursor.pos - 1
                 for x in [x for x in self.rules if tuple(self.index.tokens[pos:pos + len(x)]) == x]:
                     del self.rules[x]
         anchor, diverged = self.anchor, self.diverged
         if node >= 0:
             state = states[node]
-            if state is not None and state[3] is not None and state[3] >= 0 and anchor is not None:
-                self._learn(anchor, state[3], diverged)  # a re-entry branch was accepted
-            cursor = state[:3] if state is not None else None
+            if state is not None and state.entry is not None and state.entry >= 0 and anchor is not None:
+                self._learn(anchor, state.entry, diverged)  # a re-entry branch was accepted
+            cursor = state.cursor if state is not None else None
         else:
             cursor = self.cursor
         copying = cursor is not None
@@ -233,7 +252,7 @@ class CopyRow:
                     pos = pos - len(rule)
                 self.anchor, self.diverged, self.waited, cursor = pos, list(ids[matched + i:]), 0, None
                 break
-            cursor = (pos, pending[1:], rule if len(pending) > 1 else None) if pending else (pos + 1, (), None)
+            cursor = Cursor(pos, pending[1:], rule if len(pending) > 1 else None) if pending else Cursor(pos + 1, (), None)
         if cursor is None and anchor is not None:
             cursor = self._reenter(anchor, diverged + list(ids))
         if cursor is not None:
@@ -257,7 +276,7 @@ class CopyRow:
             for j in range(min(len(seq) - (skip == 0), len(source)), (1 if skip <= 1 else 2) - 1, -1):
                 if seq[len(seq) - j:] == source[:j] and SEPARATOR not in source[:j]:
                     self._learn(anchor, skip, seq[: len(seq) - j])
-                    return anchor + skip + j, (), None
+                    return Cursor(anchor + skip + j, (), None)
         return None
 
     def _learn(self, anchor: int, skip: int, new: list[int]) -> None:
@@ -331,7 +350,7 @@ class SuffixProposer(SingleSource):
                     tokens, st, _ = row.copy(end + 1, (), depth, rules=False)
                     if tokens:
                         conts.append(tokens)
-                        states.append([x + (None,) for x in st])
+                        states.append([NodeState(x, None) for x in st])
             if len(conts) < self.max_occurrences:
                 more = self.history.index.continuations(suffix, depth, self.max_occurrences - len(conts))
                 conts += more
@@ -347,7 +366,7 @@ class SuffixProposer(SingleSource):
             # P(the text follows the copy d more tokens) = (run+1)/(run+1+d) (Laplace's rule of
             # succession, per token, after `run` tokens that did): the chain enters as its
             # truncations, each weighted by the chance the text leaves the copy right there.
-            st = [x + (skip,) for x in st]
+            st = [NodeState(x, skip) for x in st]
             masses.append(mass)  # (the part of it that leaves the copy at once is no node's)
             reach = [(run + 1) / (run + 1 + d) for d in range(len(tokens) + 1)] + [0.0]
             for d in range(1, len(tokens) + 1):

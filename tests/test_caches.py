@@ -306,3 +306,36 @@ def test_a_model_directory_without_a_tokenizer_says_so_in_one_whole_sentence(tmp
     with pytest.raises(loading.ModelLoadError) as info:
         loading.load(str(directory), "float32")
     assert str(info.value).endswith("next to the weights") and "has no tokenizer" in str(info.value)
+
+
+_STALE_LOCK_BUILD = """
+import sys
+from pathlib import Path
+from specdec.runtime import native
+
+native.KERNELS = Path(sys.argv[1])
+flags = tuple(native.BASE_FLAGS)
+directory = native.build_directory("tiny", "tiny.cpp", (), flags)
+directory.mkdir(parents=True, exist_ok=True)
+(directory / "lock").write_text("")  # what a build killed mid-compile leaves behind
+print(native.build("tiny", "tiny.cpp").answer())
+"""
+
+
+def test_a_stale_torch_build_lock_does_not_hang_the_next_build(home, tmp_path):
+    """A kernel build killed mid-compile leaves torch's own "lock" file in the build directory;
+    every later load then waited on it forever (seen when a test run was interrupted). Under
+    specdec's build lock no other process is building, so the next build clears it and compiles.
+    Without the fix this subprocess hangs and the 600 s timeout fails the test."""
+    import subprocess
+    import sys
+
+    kernels = tmp_path / "kernels-src"
+    kernels.mkdir()
+    (kernels / "tiny.cpp").write_text('#include <torch/extension.h>\n'
+                                      'int64_t answer() { return 42; }\n'
+                                      'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }\n')
+    out = subprocess.run([sys.executable, "-c", _STALE_LOCK_BUILD, str(kernels)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "42"

@@ -72,15 +72,28 @@ def build(stem: str, source: str, depends: tuple[str, ...] = (), flags: tuple[st
     from specdec import cache
 
     all_flags = BASE_FLAGS + list(flags)
-    text = b"".join((KERNELS / name).read_bytes() for name in (source, *depends))
-    key = hashlib.sha256(text + " ".join(all_flags).encode() + torch.__version__.encode() + _cpu()).hexdigest()[:12]
-    build_dir = cache.home() / "kernels" / f"{stem}-{key}"
+    build_dir = build_directory(stem, source, depends, tuple(all_flags))
+    key = build_dir.name.rsplit("-", 1)[1]
     build_dir.mkdir(parents=True, exist_ok=True)
     with cache.build_lock(build_dir), _ninja_on_path():
+        # torch's own build lock (a plain file, "lock") outlives a build that was killed, and then
+        # every later load waits on it forever. We hold the directory's build lock, so no other
+        # process is building here: a "lock" file now is stale.
+        (build_dir / "lock").unlink(missing_ok=True)
         if not any(build_dir.glob("*.so")):
             cache.notice(f"compiling the {stem} kernel once ({build_dir})")
         return load(name=f"specdec_{stem}_{key}", sources=[str(KERNELS / source)], extra_cflags=all_flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+
+
+def build_directory(stem: str, source: str, depends: tuple[str, ...], all_flags: tuple[str, ...]) -> Path:
+    """Where a kernel is built: ``$SPECDEC_HOME/kernels/<stem>-<key>``, keyed by its sources,
+    flags, torch version and CPU."""
+    from specdec import cache
+
+    text = b"".join((KERNELS / name).read_bytes() for name in (source, *depends))
+    key = hashlib.sha256(text + " ".join(all_flags).encode() + torch.__version__.encode() + _cpu()).hexdigest()[:12]
+    return cache.home() / "kernels" / f"{stem}-{key}"
 
 
 def build_all() -> list[str]:

@@ -24,9 +24,11 @@ demo: models
 	$(BIN)/specdec generate --chat --max-new-tokens 128 \
 		--prompt "Write a Python function that returns the n-th Fibonacci number iteratively."
 
-# pytest exits 5 when it collected no tests: that is a failure here, never a pass.
+# pytest exits 5 when it collected no tests: that is a failure here, never a pass. Two workers
+# (pytest-xdist; each test file on one worker, so a file's fixtures are built once), each with
+# its share of the cores for torch (tests/conftest.py).
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q; rc=$$?; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Slow tier on the real models (fp32 parity with transformers, speculative == plain at int8).

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from specdec.api import TextGenerator
 from specdec.models import heads, registry
-from specdec.proposers.head import HeadNet, read_head
+from specdec.models.heads import read_head
+from specdec.training.head_net import HeadNet
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.training.run import answer_header, default_workdir, held_out_sharegpt
 

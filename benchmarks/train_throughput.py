@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.proposers.head import HeadConfig, HeadNet
+from specdec.runtime.head import HeadConfig
+from specdec.training.head_net import HeadNet
 from specdec.training import features
 from specdec.training.train import Dataset, TrainConfig, answer_mask, order, pass_losses, pass_losses_top_k
 

@@ -1,6 +1,6 @@
-"""Text in, text out: tokenization, chat templates, stop strings and streaming around the engine.
-
-This is the layer the CLI (and later the server) calls; the engine itself works on token ids.
+"""A loaded target (and draft, and head) with its tokenizer: what the CLI, the bench and the
+server call. Chat encoding, speculation configs and engines are made here, once; text, stop
+strings and streaming are the session's (:mod:`specdec.session`); the engine works on token ids.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from specdec.detokenize import IncrementalDetokenizer, StopFinder
-from specdec.engine import RowResult, generate
-from specdec.metrics import GenerationMetrics
-from specdec.proposers.head import DraftHead
+from specdec.engine import Engine, Request
+from specdec.runtime.head import DraftHead
 from specdec.proposers.suffix import SuffixHistory
 from specdec.models import heads, loading
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.sampling import SamplingParams
+from specdec.session import Session, TextResult
 from specdec.speculation import SpeculationConfig
 
 # A draft model computes logits only for this many frequent ids (FR-Spec; heads.frequent_ids):
@@ -28,49 +27,6 @@ from specdec.speculation import SpeculationConfig
 DRAFT_VOCAB = 65536
 
 _EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>")
-
-
-class TextStream:
-    """One answer's text as its tokens arrive: decoded a few tokens at a time, searched for stop
-    strings, and released only up to where a stop string may still begin (the CLI's streaming
-    and the server's SSE chunks both come from here)."""
-
-    def __init__(self, tokenizer, stop: list[str]) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.finder = StopFinder(stop)
-        self.emitted = 0  # characters already released
-
-    def stop_at(self, ids: list[int]) -> int | None:
-        """``ids``: the whole answer so far (one more token than the last call, or more). The
-        number of ids to keep if a stop string has appeared in their text, else None."""
-        self.detok.update(ids)
-        return len(ids) if self.finder.feed(self.detok.text) is not None else None
-
-    def release(self) -> str:
-        """The text safe to show that has not been shown yet."""
-        text = self.detok.text
-        end = self.finder.safe_length(text)
-        if end <= self.emitted:
-            return ""
-        out, self.emitted = text[self.emitted : end], end
-        return out
-
-    def finish(self, final_text: str) -> str:
-        """The rest of ``final_text`` (the whole answer, cut at its stop string) not yet shown."""
-        out = final_text[self.emitted :] if len(final_text) > self.emitted else ""
-        self.emitted = max(self.emitted, len(final_text))
-        return out
-
-
-@dataclass
-class TextResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    metrics: GenerationMetrics  # this request's own
-    batch_metrics: GenerationMetrics  # the whole batch, with the time breakdown by phase
-    prompt_tokens: int = 0
-    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass
@@ -150,10 +106,6 @@ class TextGenerator:
             raise ValueError(f"{self.target.name} has no chat template (chat=False / --chat off / /v1/completions)")
         return encode_messages(tok, messages, add_generation_prompt)
 
-    def final_text(self, ids: list[int], stop: list[str]) -> str:
-        """An answer's whole text, cut where its first stop string begins (one full decode)."""
-        return _cut_at_stop(self.decode(ids), [s for s in stop if s])
-
     def decode(self, ids: list[int]) -> str:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -175,43 +127,19 @@ class TextGenerator:
         loaded). ``ignore_eos`` (as vLLM's): generate past end-of-sequence tokens, up to
         ``max_new_tokens`` or a stop string (benchmarks measuring a fixed length)."""
         spec = self.speculation() if speculation is None else speculation
-        stop = [s for s in (stop or []) if s]
-        streams = [TextStream(self.target.tokenizer, stop) for _ in prompts]
+        if not prompts:
+            return []
+        engine = self.engine(spec, max(len(p) for p in prompts) + max_new_tokens, seed=seed, ignore_eos=ignore_eos)
+        requests = [Request(p, params, max_new_tokens) for p in prompts]
+        return Session(engine, self.target.tokenizer).run(requests, stop, on_text)
 
-        def stop_checker(row: int, ids: list[int]) -> int | None:
-            return streams[row].stop_at(ids)
-
-        def on_tokens(row: int, ids: list[int]) -> None:
-            if not stop:
-                streams[row].detok.update(ids)
-            text = streams[row].release()
-            if text:
-                on_text(row, text)
-
-        capacity = spec.capacity(max(len(p) for p in prompts) + max_new_tokens)
-        impl = spec.build(self, capacity)
-        rows: list[RowResult] = generate(
-            self.target.model,
-            prompts,
-            params,
-            max_new_tokens,
-            proposer=impl,
-            k=spec.k,
-            k_max=spec.k_max,
-            seed=seed,
-            eos_token_ids=set() if ignore_eos else self.eos_token_ids,
-            stop_checker=stop_checker if stop else None,
-            on_tokens=on_tokens if on_text else None,
-        )
-        out = []
-        for i, (prompt, row) in enumerate(zip(prompts, rows)):
-            text = self.final_text(row.token_ids, stop)
-            rest = streams[i].finish(text)  # held-back text of a row that did not stop there
-            if on_text and rest:
-                on_text(i, rest)
-            out.append(TextResult(text, row.token_ids, row.finish_reason, row.metrics, row.batch_metrics, len(prompt),
-                                  row.error))
-        return out
+    def engine(self, spec: SpeculationConfig, tokens: int, *, seed: int = 0, max_batch: int | None = None,
+               ignore_eos: bool = False) -> Engine:
+        """An engine over the target with ``spec``'s proposer, each row holding up to ``tokens``
+        (prompt + max_new_tokens): the one place engines are made (API, bench, server)."""
+        capacity = spec.capacity(tokens)
+        return Engine(self.target.model, spec.build(self, capacity), capacity=capacity, k=spec.k, k_max=spec.k_max,
+                      eos_token_ids=set() if ignore_eos else self.eos_token_ids, seed=seed, max_batch=max_batch)
 
 
 def encode_messages(tok, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -241,11 +169,6 @@ def encode_messages(tok, messages: list[dict[str, str]], add_generation_prompt: 
 def _control_strings(tok) -> list[str]:
     """The tokenizer's special (control) token strings: never to be parsed from user content."""
     return [t.content for t in tok.added_tokens_decoder.values() if t.special]
-
-
-def _cut_at_stop(text: str, stop: list[str]) -> str:
-    cut = min((text.find(s) for s in stop if s in text), default=-1)
-    return text if cut < 0 else text[:cut]
 
 
 def check_compatible(target: loading.LoadedModel, draft: loading.LoadedModel) -> None:

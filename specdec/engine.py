@@ -32,7 +32,7 @@ import torch
 from specdec.adaptive import K_MAX, AdaptiveK, ShapeRace, TreeBudget
 from specdec.blocks import Block, ChainBlock, RowKind, block_of, row_kind
 from specdec.metrics import GenerationMetrics, Timings
-from specdec.proposers.base import Proposal, Proposer
+from specdec.proposers.base import Proposal, Proposer, tree_shape
 from specdec.runtime import elementwise
 from specdec.runtime.model import Transformer
 from specdec.sampling import SamplingParams, probs_per_row, sample_at
@@ -55,24 +55,14 @@ class RowResult:
     batch_metrics: GenerationMetrics | None = None
 
 
-# A stop checker gets (row, generated ids so far) and returns the number of ids to keep if a stop
-# string has appeared, else None.
-StopChecker = Callable[[int, list[int]], "int | None"]
-
-
-def commit_tokens(res: RowResult, ids: list[int], eos_token_ids, max_new_tokens: int,
-                  stop_checker: Callable[[list[int]], "int | None"] | None) -> bool:
-    """Append a step's committed ``ids`` to one row, stopping at EOS (kept), at a stop sequence
-    (cut where the checker says) or at ``max_new_tokens``; returns whether the row goes on."""
+def commit_tokens(res: RowResult, ids: list[int], eos_token_ids, max_new_tokens: int) -> bool:
+    """Append a step's committed ``ids`` to one row, stopping at EOS (kept) or at
+    ``max_new_tokens``; returns whether the row goes on. (Stop strings are text: the session's,
+    :mod:`specdec.session`.)"""
     for token in ids:
         res.token_ids.append(token)
         if token in eos_token_ids:
             res.finish_reason = "eos"
-        elif stop_checker is not None:
-            keep = stop_checker(res.token_ids)
-            if keep is not None:
-                del res.token_ids[keep:]
-                res.finish_reason = "stop"
         if res.finish_reason != "length" or len(res.token_ids) >= max_new_tokens:
             return False
     return True
@@ -167,7 +157,7 @@ class Engine:
         self._source: str | None = None  # the source of this step's proposal
         if k == "auto":
             self.controllers, k = {}, k_max
-            if proposer is not None and proposer.emits_trees:
+            if proposer is not None and proposer.tree_mode != "chains":
                 self.races = {}
         elif not isinstance(k, int) or k < 0:
             raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
@@ -298,8 +288,8 @@ class Engine:
         # requests spent "draft" time on their proposer prefill (``add``) and "verification"
         # time on their first tokens, which say nothing about the cost of a draft token.
         mark = dict(self.timer.step)
-        controller = self._controller(pending)
-        block = self._propose(controller, pending)
+        controller, tree = self._controller(pending)
+        block = self._propose(controller, pending, tree)
         with self.timer.phase("target_forward"):
             before = self.cache.lengths.clone()
             logits, hidden = block.score(self.target, self.cache, self.last, self.want_hidden)
@@ -314,28 +304,31 @@ class Engine:
         if controller is not None:
             t = self.timer.since(mark)
             controller.observe_step(block.proposal, result, t.get("draft", 0.0), t["target_forward"] + t["verification"],
-                                    caught_up=self.proposer.caught_up)
+                                    caught_up=block.proposal.caught_up)
             if self.races is not None:
                 self.races[self._source].observe(block.trees, int(result.num_accepted.sum()) + len(self.rows),
                                                  t.get("draft", 0.0) + t["target_forward"] + t["verification"] + t.get("cache", 0.0))
         self._record(block, result)
         return list(self.rows)
 
-    def _controller(self, pending: list[list[int]]) -> AdaptiveK | TreeBudget | None:
-        """The k controller of the source the proposer will use next (adaptive k only); with a tree
-        proposer, the source's :class:`ShapeRace` first picks the shape it drafts."""
-        if self.controllers is None or self.proposer is None:
-            return None
+    def _controller(self, pending: list[list[int]]) -> tuple[AdaptiveK | TreeBudget | None, bool]:
+        """This step's shape (a tree or a chain: :func:`tree_shape`, the source's
+        :class:`ShapeRace` choosing under adaptive k) and the k controller of the source the
+        proposer will use next (adaptive k only)."""
+        if self.proposer is None:
+            return None, False
+        params = [r.request.params for r in self.rows]
+        if self.controllers is None:
+            return None, tree_shape(self.proposer.tree_mode, True, params)
         self._source = self.proposer.next_source(pending)
-        if self.races is not None:
-            self.proposer.use_trees(self.races.setdefault(self._source, ShapeRace()).choose())
-        trees = self.proposer.emits_trees  # (a tree proposer also drafts chains while every row samples)
-        key = f"{self._source}:{'tree' if trees else 'chain'}"
+        wanted = self.races.setdefault(self._source, ShapeRace()).choose() if self.races is not None else True
+        tree = tree_shape(self.proposer.tree_mode, wanted, params)
+        key = f"{self._source}:{'tree' if tree else 'chain'}"
         if key not in self.controllers:
-            self.controllers[key] = TreeBudget(self.k_max) if trees else AdaptiveK(k_max=self.k_max)
-        return self.controllers[key]
+            self.controllers[key] = TreeBudget(self.k_max) if tree else AdaptiveK(k_max=self.k_max)
+        return self.controllers[key], tree
 
-    def _propose(self, controller, pending: list[list[int]]) -> Block:
+    def _propose(self, controller, pending: list[list[int]], tree: bool) -> Block:
         """The drafts of this step: a chain of at most k tokens per row (one token fewer than the
         longest row still needs), or a tree of at most k nodes that deep; none without a proposer."""
         batch = len(self.rows)
@@ -347,9 +340,9 @@ class Engine:
         room = self.context_len - 1 - int(self.cache.lengths.max())
         depth_cap = min(remaining - 1, room)
         k = controller.choose(batch) if controller is not None else self.k
-        k = min(k, room) if self.proposer.emits_trees else min(k, depth_cap)
+        k = min(k, room) if tree else min(k, depth_cap)
         with self.timer.phase("draft"):
-            proposal = self.proposer.propose(pending, k)
+            proposal = self.proposer.propose(pending, k, tree)
             if proposal.size > k:
                 raise ValueError(f"the proposer returned {proposal.size} tokens, more than k={k}")
             return block_of(proposal).fit(depth_cap, controller)
@@ -418,7 +411,7 @@ class Engine:
             self._commit(row, committed[i][: accepted[i] + 1])
 
     def _commit(self, row: RowState, ids: list[int]) -> None:
-        going = commit_tokens(row.result, ids, self.eos_token_ids, row.request.max_new_tokens, None)
+        going = commit_tokens(row.result, ids, self.eos_token_ids, row.request.max_new_tokens)
         row.pending = ids
         if not going:
             row.done = True
@@ -438,66 +431,40 @@ def generate(
     seed: int = 0,
     seeds: list[int | None] | None = None,
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
-    stop_checker: StopChecker | None = None,
-    on_tokens: Callable[[int, list[int]], None] | None = None,
     verifier: Callable[..., ChainVerification] = verify_chain_unchecked,
 ) -> list[RowResult]:
     """Generate up to ``max_new_tokens`` per prompt, all rows joining at once; exact target
-    sampling whatever the proposer. A thin loop over :class:`Engine`.
+    sampling whatever the proposer. A thin loop over :class:`Engine`, token ids in and out (text,
+    stop strings and streaming: :class:`specdec.session.Session`).
 
     ``k``: draft tokens per step, or ``"auto"``. ``seed``: the engine's streams; ``seeds`` (one
-    per prompt, None for some): reproducible sampling for those rows. ``stop_checker(row, ids)``
-    returns how many ids to keep once a stop sequence has appeared (checked after each committed
-    token); ``on_tokens(row, ids)`` sees each row's ids after every step that changed them.
+    per prompt, None for some): reproducible sampling for those rows.
     """
     batch = len(prompts)
     if batch == 0:
         return []
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
     if seeds is not None and len(seeds) != batch:
         raise ValueError(f"{len(seeds)} seeds for {batch} prompts")
     row_params = params if isinstance(params, list) else [params] * batch
     longest = max(len(p) for p in prompts)
-    context = target.cfg.max_position_embeddings
-    if longest + max_new_tokens > context:
-        raise ValueError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context length {context}"
-        )
     engine = Engine(target, proposer, capacity=kv_capacity(longest + max_new_tokens, k, k_max), k=k,
                     k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, verifier=verifier)
-    start = time.perf_counter()
     rows = [engine.add(Request(p, row_params[i], max_new_tokens, None if seeds is None else seeds[i]))
             for i, p in enumerate(prompts)]
-    index = {id(r): i for i, r in enumerate(rows)}
-    seen = [0] * batch
+    for _ in steps(engine, rows):
+        pass
+    return [r.result for r in rows]
+
+
+def steps(engine: Engine, rows: list[RowState]) -> Iterator[list[RowState]]:
+    """Step ``engine`` until it is idle, yielding each step's changed rows (the batch loop of
+    :func:`generate` and of the text session). Once exhausted, the metrics are complete: the
+    batch's total time and tokens, each row's tokens and its ``batch_metrics``."""
+    start = time.perf_counter()
     while engine.busy:
-        for row in engine.step():
-            i = index[id(row)]
-            if stop_checker is not None:
-                check_stop(engine, row, lambda ids: stop_checker(i, ids), seen[i])
-            seen[i] = len(row.token_ids)
-            if on_tokens is not None:
-                on_tokens(i, row.token_ids)
+        yield engine.step()
     engine.metrics.timings.total = time.perf_counter() - start
     engine.metrics.generated_tokens = sum(len(r.token_ids) for r in rows)
     for r in rows:
         r.result.metrics.generated_tokens = len(r.token_ids)
         r.result.batch_metrics = engine.metrics
-    return [r.result for r in rows]
-
-
-def check_stop(engine: Engine, row: RowState, checker: Callable[[list[int]], "int | None"], seen: int) -> None:
-    """After a step: the first of this step's new tokens at which a stop sequence appears ends
-    the row there (later tokens of the block are dropped, as if it had stopped at that token)."""
-    ids = row.token_ids
-    last = len(ids) - (row.finish_reason == "eos")  # an EOS token is not checked (it ends the row itself)
-    for end in range(seen + 1, last + 1):
-        keep = checker(ids[:end])
-        if keep is not None:
-            engine.cancel(row, "stop", keep)
-            row.result.finish_reason = "stop"  # also when the block had reached max_new_tokens or EOS
-            row.result.metrics.generated_tokens = len(row.token_ids)
-            return

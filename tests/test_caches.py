@@ -29,6 +29,12 @@ def _save(hf, directory: Path) -> Path:
 
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
+    """A fresh SPECDEC_HOME, sharing this machine's compiled kernels (a link to them): what is
+    tested here are the model caches, and rebuilding every kernel would cost minutes."""
+    kernels = cache.home() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "kernels").symlink_to(kernels, target_is_directory=True)
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     return tmp_path / "home"
 
@@ -322,7 +328,7 @@ print(native.build("tiny", "tiny.cpp").answer())
 """
 
 
-def test_a_stale_torch_build_lock_does_not_hang_the_next_build(home, tmp_path):
+def test_a_stale_torch_build_lock_does_not_hang_the_next_build(tmp_path, monkeypatch):
     """A kernel build killed mid-compile leaves torch's own "lock" file in the build directory;
     every later load then waited on it forever (seen when a test run was interrupted). Under
     specdec's build lock no other process is building, so the next build clears it and compiles.
@@ -330,11 +336,17 @@ def test_a_stale_torch_build_lock_does_not_hang_the_next_build(home, tmp_path):
     import subprocess
     import sys
 
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))  # its own kernel cache, not the machine's
     kernels = tmp_path / "kernels-src"
     kernels.mkdir()
-    (kernels / "tiny.cpp").write_text('#include <torch/extension.h>\n'
-                                      'int64_t answer() { return 42; }\n'
-                                      'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }\n')
+    # A module on Python's C API alone: it compiles in about a second (torch/extension.h takes a minute).
+    (kernels / "tiny.cpp").write_text(
+        '#include <Python.h>\n'
+        '#define CAT(a, b) a##b\n#define XCAT(a, b) CAT(a, b)\n#define STR(a) #a\n#define XSTR(a) STR(a)\n'
+        'static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }\n'
+        'static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {nullptr, nullptr, 0, nullptr}};\n'
+        'static PyModuleDef module = {PyModuleDef_HEAD_INIT, XSTR(TORCH_EXTENSION_NAME), nullptr, -1, methods};\n'
+        'PyMODINIT_FUNC XCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module); }\n')
     out = subprocess.run([sys.executable, "-c", _STALE_LOCK_BUILD, str(kernels)], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import specdec.verify as verify_module
-from specdec.engine import generate
+from specdec.adaptive import K_MAX
+from specdec.engine import Engine, Request, generate, kv_capacity
 from specdec.proposers import DraftModelProposer
 from specdec.sampling import SamplingParams
+from specdec.session import Session
 from stats import ALPHA, chi_square_pvalue
 from tiny_models import exact_joint, hf_tiny, ours
 
@@ -91,22 +93,31 @@ def test_stops_exactly_at_eos_inside_an_accepted_block(pair):
     assert spec.finish_reason == "eos"
 
 
-def test_stop_sequence_spanning_blocks(pair):
+class _CharTokenizer:
+    """Each id decodes to a character of its own: a stop string is then a token sequence."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
+def test_stop_string_spanning_blocks_ends_the_row_where_it_appears(pair):
+    """The session's stop handling: a 3-token stop string that spans verification blocks for
+    small k ends the row at its last token (later tokens of the block dropped), the text is cut
+    where it begins, and the streamed pieces add up to that text."""
     target, draft = pair
     plain = generate(target, PROMPTS[:1], GREEDY, 40)[0].token_ids
-    stop = plain[20:23]  # three tokens: spans verification blocks for small k
-
-    def checker(row, ids):
-        for end in range(len(stop), len(ids) + 1):
-            if ids[end - len(stop) : end] == stop:
-                return end
-        return None
-
+    stop = plain[20:23]
+    tok = _CharTokenizer()
+    expected = next(e for e in range(3, 41) if plain[e - 3 : e] == stop)
     for k in [1, 2, 4]:
-        spec = _spec(target, draft, PROMPTS[:1], GREEDY, 40, k, stop_checker=checker)[0]
-        expected = next(e for e in range(3, 41) if plain[e - 3 : e] == stop)
-        assert spec.token_ids == plain[:expected]
-        assert spec.finish_reason == "stop"
+        capacity = kv_capacity(len(PROMPTS[0]) + 40, k, K_MAX)
+        engine = Engine(target, DraftModelProposer(draft, capacity), capacity=capacity, k=k)
+        pieces = []
+        res = Session(engine, tok).run([Request(PROMPTS[0], GREEDY, 40)], [tok.decode(stop)],
+                                       on_text=lambda i, text: pieces.append(text))[0]
+        assert res.token_ids == plain[:expected]
+        assert res.finish_reason == "stop"
+        assert res.text == tok.decode(plain[: expected - 3]) == "".join(pieces)
 
 
 def test_seeded_sampling_is_reproducible(pair):

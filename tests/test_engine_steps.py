@@ -20,43 +20,23 @@ def _row(ids=()):
 
 def test_commit_appends_every_token_and_goes_on():
     res = _row([1])
-    assert commit_tokens(res, [2, 3, 4], set(), 10, None) is True
+    assert commit_tokens(res, [2, 3, 4], set(), 10) is True
     assert res.token_ids == [1, 2, 3, 4] and res.finish_reason == "length"
 
 
 def test_commit_stops_at_eos_and_keeps_it():
     res = _row()
-    assert commit_tokens(res, [5, 9, 6, 7], {9}, 10, None) is False
+    assert commit_tokens(res, [5, 9, 6, 7], {9}, 10) is False
     assert res.token_ids == [5, 9] and res.finish_reason == "eos"
 
 
 def test_commit_stops_exactly_at_max_new_tokens():
     res = _row([1, 2])
-    assert commit_tokens(res, [3, 4, 5], set(), 4, None) is False
+    assert commit_tokens(res, [3, 4, 5], set(), 4) is False
     assert res.token_ids == [1, 2, 3, 4] and res.finish_reason == "length"
     res = _row([1, 2])
-    assert commit_tokens(res, [3], set(), 4, None) is True  # one short of the limit: goes on
+    assert commit_tokens(res, [3], set(), 4) is True  # one short of the limit: goes on
     assert res.token_ids == [1, 2, 3]
-
-
-def test_commit_cuts_at_a_stop_sequence():
-    def checker(ids):  # stop sequence [7, 8]: keep what precedes it
-        for end in range(2, len(ids) + 1):
-            if ids[end - 2 : end] == [7, 8]:
-                return end - 2
-        return None
-
-    res = _row([7])
-    assert commit_tokens(res, [8, 9, 10], set(), 10, checker) is False
-    assert res.token_ids == [] and res.finish_reason == "stop"
-    res = _row([1])
-    assert commit_tokens(res, [2, 7], set(), 10, checker) is True and res.token_ids == [1, 2, 7]
-
-
-def test_commit_eos_wins_over_the_stop_checker():
-    res = _row()
-    assert commit_tokens(res, [4, 9], {9}, 10, lambda ids: None) is False
-    assert res.finish_reason == "eos" and res.token_ids == [4, 9]
 
 
 def test_rollback_keeps_the_fed_token_and_the_accepted_drafts():

@@ -11,7 +11,10 @@ import torch
 import specdec.verify as verify_module
 from specdec.engine import generate
 from specdec.proposers import HybridProposer, NgramProposer
-from specdec.proposers.head import DraftHead, HeadConfig, HeadNet, HeadProposer, read_head, save_head
+from specdec.models.heads import read_head, save_head
+from specdec.proposers.head import HeadProposer
+from specdec.runtime.head import DraftHead, HeadConfig
+from specdec.training.head_net import HeadNet
 from specdec.sampling import SamplingParams, sample
 from specdec.training import features
 from specdec.training.train import Dataset, TrainConfig, evaluate, train, vocab_subset

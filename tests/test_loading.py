@@ -130,7 +130,7 @@ def test_the_hybrids_lookup_side_is_the_suffix_proposers_chains(hf_dir):
     gen = TextGenerator.load(str(directory), str(directory), dtype="int8")
     hybrid = gen.speculation("hybrid", ngram=(2, 5)).build(gen, 64)
     assert isinstance(hybrid, HybridProposer) and isinstance(hybrid.lookup_side, SuffixProposer)
-    assert not hybrid.emits_trees and (hybrid.lookup_side.min_match, hybrid.lookup_side.max_match) == (2, 5)
+    assert hybrid.tree_mode == "chains" and (hybrid.lookup_side.min_match, hybrid.lookup_side.max_match) == (2, 5)
     assert hybrid.lookup_side.history is gen.suffix_history
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     plain = gen.generate([prompt], loading_params(), 16, speculation=gen.speculation("none"))[0]

@@ -42,8 +42,7 @@ def _make(kind, target, draft, capacity):
     if kind == "hybrid":
         return HybridProposer(NgramProposer(1, 3), DraftModelProposer(draft, capacity))
     if kind == "hybrid-copy":  # the API's hybrids: the suffix proposer's chains as the lookup side
-        lookup = SuffixProposer(min_match=1, max_match=3)
-        lookup.use_trees(False)
+        lookup = SuffixProposer(min_match=1, max_match=3, tree_mode="chains")
         return HybridProposer(lookup, DraftModelProposer(draft, capacity))
     if kind == "pruned":  # FR-Spec: logits for all ids but the last (never drafted); any rows are exact
         ids = torch.arange(draft.vocab_size - 1)

@@ -98,7 +98,7 @@ def test_seeded_speculation_equals_seeded_plain_decoding(pair, kind, k):
     plain = [_seeded(target, [p], [params[i]], 30, [seeds[i]])[0] for i, p in enumerate(PROMPTS)]
     make = {"draft": lambda: DraftModelProposer(draft, 64), "ngram": lambda: NgramProposer(1, 3),
             "suffix": lambda: SuffixProposer(),  # chains: every row samples
-            "suffix-tree": lambda: SuffixProposer(always_trees=True)}[kind]
+            "suffix-tree": lambda: SuffixProposer(tree_mode="always")}[kind]
     assert _seeded(target, PROMPTS, params, 30, seeds, make(), k) == plain
     # the same rows in a larger batch, next to rows without a seed and another seeded row
     mixed = _seeded(target, [PROMPTS[2], [4, 4], PROMPTS[0], PROMPTS[1], [8]], [params[2], SAMPLED, params[0], params[1], SAMPLED],

@@ -42,9 +42,9 @@ class Server:
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        deadline = time.time() + 30
+        guard = time.time() + 300  # a hang guard only
         while not self.server.started:
-            if time.time() > deadline:
+            if time.time() > guard:
                 raise TimeoutError("the server did not start")
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -224,8 +224,8 @@ def test_cancelled_stream_frees_its_row(server):
         for i, _ in enumerate(r.iter_lines()):
             if i >= 2:
                 break  # the client goes away mid-stream
-    deadline = time.time() + 20
-    while time.time() < deadline:
+    guard = time.time() + 300  # a hang guard only: the row ending "cancelled" below is the test
+    while time.time() < guard:
         if httpx.get(server.url + "/health", timeout=10).json()["batch"] == 0:
             break
         time.sleep(0.05)
@@ -264,7 +264,7 @@ def test_specdec_serve_command_answers_and_shuts_down_gracefully(gen, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
+        guard = time.time() + 600  # a hang guard only (startup time is not what is tested)
         while True:
             assert proc.poll() is None, proc.stdout.read()
             try:
@@ -272,7 +272,7 @@ def test_specdec_serve_command_answers_and_shuts_down_gracefully(gen, tmp_path):
                     break
             except httpx.TransportError:
                 pass
-            assert time.time() < deadline, "specdec serve did not start"
+            assert time.time() < guard, "specdec serve did not start within 10 minutes"
             time.sleep(0.2)
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 300, "temperature": 0, "stream": True}
         text, finish = "", None

@@ -63,7 +63,7 @@ def test_what_each_config_uses():
 class RepeatProposer(SingleSource):
     """CONTRIBUTING.md's worked example, verbatim: k copies of each row's last token."""
 
-    emits_trees = False
+    tree_mode = "chains"
     wants_target_hidden = False
 
     def __init__(self):
@@ -72,7 +72,7 @@ class RepeatProposer(SingleSource):
     def add(self, prompts, params, generator, target_hidden=None):
         self.last += [p[-1] for p in prompts]
 
-    def propose(self, pending, k):
+    def propose(self, pending, k, tree=False):
         for row, ids in enumerate(pending):  # the tokens committed since the last call
             if ids:
                 self.last[row] = ids[-1]

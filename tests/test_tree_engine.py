@@ -12,8 +12,10 @@ from specdec.adaptive import TreeBudget
 from specdec.blocks import TreeBlock
 from specdec.engine import Engine, Request, generate
 from specdec.proposers import HybridProposer
-from specdec.proposers.base import Proposal
-from specdec.proposers.head import DraftHead, HeadConfig, HeadNet, HeadTreeProposer
+from specdec.proposers.base import Proposal, tree_shape
+from specdec.proposers.head import HeadTreeProposer
+from specdec.runtime.head import DraftHead, HeadConfig
+from specdec.training.head_net import HeadNet
 from specdec.proposers.suffix import SuffixHistory, SuffixIndex, SuffixProposer, best_path, build_tree
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.tree import TreeVerification, verify_tree
@@ -89,7 +91,7 @@ def _counts(target, proposer, k):
 
 def _small_tree_proposer(target):
     # 5 of 6 ids in the head's vocabulary: one id is never a candidate; 2 children per node, depth 2
-    return HeadTreeProposer(_head(target, 5, seed=2), 16, width=2, depth=2, always_trees=True)
+    return HeadTreeProposer(_head(target, 5, seed=2), 16, width=2, depth=2, tree_mode="always")
 
 
 def test_first_three_tokens_follow_the_exact_target_law(small):
@@ -111,7 +113,7 @@ def test_negative_control_without_the_sibling_residual_fails(small, monkeypatch)
 def test_seeded_sampling_with_trees_is_reproducible(target):
     params = SamplingParams(temperature=0.8)
     head = _head(target, 64, seed=1)
-    runs = [generate(target, PROMPTS, params, 30, proposer=HeadTreeProposer(head, 96, width=3, depth=4, always_trees=True),
+    runs = [generate(target, PROMPTS, params, 30, proposer=HeadTreeProposer(head, 96, width=3, depth=4, tree_mode="always"),
                      k=6, seed=5) for _ in range(2)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
     assert runs[0][0].batch_metrics.acceptance.scored > runs[0][0].batch_metrics.acceptance.drafted  # trees
@@ -120,24 +122,19 @@ def test_seeded_sampling_with_trees_is_reproducible(target):
 # -- tree proposers draft chains while every row samples --------------------------------------------
 def test_tree_proposers_draft_chains_while_every_row_samples(target):
     """All rows sampled: chains (a tree's extra nodes measured slower at T > 0: docs/CHANGELOG.md, 'all layers in one call'); any greedy
-    row: trees. The hybrid's two sides switch together."""
+    row: trees. The engine decides the shape (tree_shape), the same for a hybrid's two sides."""
     proposers = _proposers(target)
     sampled = generate(target, PROMPTS, SamplingParams(temperature=0.7), 24, proposer=proposers["hybrid-tree"](), k=6, seed=1)
     acc = sampled[0].batch_metrics.acceptance
     assert acc.calls > 0 and acc.scored == acc.drafted  # chains: one token scored per drafted position
-    hidden = torch.zeros(1, 3, target.cfg.hidden_size)  # prompt features (the head's add needs them)
     for kind in ("suffix", "head-tree", "hybrid-tree"):
-        p = proposers[kind]()
-        p.add([[1, 2, 3]], [SamplingParams(temperature=0.7)], torch.Generator(), target_hidden=hidden)
-        assert not p.emits_trees
-        p.add([[1, 2, 3]], [SamplingParams(temperature=0.0)], torch.Generator(), target_hidden=hidden)
-        assert p.emits_trees
-        p.use_trees(False)  # the engine's ShapeRace asks for chains
-        assert not p.emits_trees
-        p.use_trees(True)
-        assert p.emits_trees
-        p.retain([0])
-        assert not p.emits_trees
+        mode = proposers[kind]().tree_mode
+        assert mode == "trees"
+        sampled, greedy = [SamplingParams(temperature=0.7)], [SamplingParams(temperature=0.0)]
+        assert not tree_shape(mode, True, sampled)
+        assert tree_shape(mode, True, sampled + greedy)
+        assert not tree_shape(mode, False, sampled + greedy)  # the engine's ShapeRace asks for chains
+        assert tree_shape("always", False, sampled) and not tree_shape("chains", True, greedy)
 
 
 def test_greedy_rows_stay_identical_when_the_batch_switches_to_chains(target):
@@ -161,7 +158,7 @@ def test_suffix_best_path_follows_the_most_frequent_children():
     assert best_path([], [], []) == []
     proposer = SuffixProposer(min_match=1)
     proposer.add([[5, 6, 7, 5, 6, 8, 5, 6, 7, 5]], [SamplingParams(temperature=0.9)], torch.Generator())
-    chain = proposer.propose([[]], 3)
+    chain = proposer.propose([[]], 3, tree=False)
     assert not chain.is_tree and chain.tokens.tolist() == [[6, 8, 5]]  # after the longest earlier match "5 6 7 5"
 
 
@@ -186,7 +183,7 @@ def test_head_tree_candidates_are_the_heads_own_best_guesses(target):
     chain = HeadProposer(head, 32)
     for p in (tree, chain):
         p.add(prompt, [GREEDY], torch.Generator().manual_seed(0), target_hidden=hidden)
-    t = tree.propose([[7]], 9)
+    t = tree.propose([[7]], 9, tree=True)
     c = chain.propose([[7]], 3)
     roots = t.tokens[0][t.parents[0] == -1]
     assert c.tokens[0, 0] == roots[0]
@@ -294,7 +291,7 @@ def test_suffix_history_is_bounded_and_never_matches_across_outputs():
 
 # -- the suffix proposer's copy cursor, re-entry points and learned replacements -------------------
 def _copy_proposer(prompt):
-    proposer = SuffixProposer(always_trees=True)
+    proposer = SuffixProposer(tree_mode="always")
     proposer.add([prompt], [GREEDY], torch.Generator())
     return proposer
 
@@ -310,7 +307,7 @@ def test_suffix_proposer_follows_the_copy_it_is_making():
     and the latest would win a lookup; the copy's cursor knows the text continues with 60."""
     seg = list(range(1, 11))
     source = [50] + seg + [60] + [51] + seg + [61] + [99]
-    lookup_only = SuffixProposer(always_trees=True)
+    lookup_only = SuffixProposer(tree_mode="always")
     lookup_only.add([source + seg], [GREEDY], torch.Generator())
     assert _best(lookup_only.lookup(1)) == [61]
     proposer = _copy_proposer(source + [50, 1])

@@ -1,19 +1,23 @@
 """Draft heads: the ones shipped with specdec, and loading a head for a loaded target.
 
-A head file (see :func:`specdec.proposers.head.save_head`) holds only what was trained; the
+A head file (:func:`save_head`: safetensors, the config in its metadata) holds only what was trained; the
 target's embedding, final norm and output rows for the head's vocabulary subset are taken from the
 target itself when the head is loaded, so a head is a few tens of MB.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from importlib import resources
 from pathlib import Path
 
 import torch
 
 from specdec.models.loading import LazyWeights, LoadedModel, release_freed_memory
-from specdec.proposers.head import DraftHead, read_head
+from specdec.runtime.head import DraftHead, HeadConfig
+
+FORMAT = "specdec-draft-head-v1"
 
 # The sha256 of the GGUF file a shipped head was trained on -> its file in specdec/heads/ (made by
 # `specdec train-head`). A head follows the model, not its name: the registry's Qwen2.5-Coder-1.5B
@@ -98,3 +102,29 @@ def load_head(path: Path, target: LoadedModel) -> DraftHead:
     del state
     release_freed_memory()
     return head
+
+
+def save_head(path: Path, cfg: HeadConfig, state: dict[str, torch.Tensor], vocab_ids: torch.Tensor,
+              info: dict | None = None) -> None:
+    """Write the head as safetensors (fp16 weights, int32 vocabulary), config in the metadata."""
+    from safetensors.torch import save_file
+
+    from specdec import cache
+
+    tensors = {k: v.to(torch.float16).contiguous() for k, v in state.items()}
+    tensors["vocab_ids"] = vocab_ids.to(torch.int32)
+    meta = {"format": FORMAT, "config": json.dumps(dataclasses.asdict(cfg)), "info": json.dumps(info or {})}
+    cache.write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+
+def read_head(path: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], torch.Tensor, dict]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a specdec draft head ({FORMAT})")
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    vocab_ids = state.pop("vocab_ids").long()
+    # fp16 as stored: each consumer converts one tensor at a time (no fp32 copy of the whole head)
+    return HeadConfig(**json.loads(meta["config"])), state, vocab_ids, json.loads(meta["info"])

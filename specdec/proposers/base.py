@@ -7,9 +7,9 @@ join (``add``) and leave (``retain``) between steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -60,6 +60,9 @@ class Proposal:
     parents: torch.Tensor | None = None  # [B, N] long: a tree; None: a chain
     scores: torch.Tensor | None = None  # [B, N] float (trees)
     without_replacement: bool = False
+    # The proposer also fed tokens it had skipped earlier (k was 0, or the other side of a hybrid
+    # drafted): this step's draft time is then not a per-draft cost (see AdaptiveK.observe).
+    caught_up: bool = False
 
     @property
     def is_tree(self) -> bool:
@@ -83,15 +86,16 @@ class Proposal:
         def pick(t):
             return None if t is None else t[index]
 
-        return Proposal(self.tokens[index], pick(self.probs), pick(self.parents), pick(self.scores), self.without_replacement)
+        return replace(self, tokens=self.tokens[index], probs=pick(self.probs), parents=pick(self.parents),
+                       scores=pick(self.scores))
 
     def cut_depth(self, max_depth: int) -> "Proposal":
         """This tree without the nodes deeper than ``max_depth`` (they become padding)."""
         deep = self.node_depths > max_depth  # [B, N]
         if not bool(deep.any()):
             return self
-        return Proposal(self.tokens.masked_fill(deep, -1), self.probs, self.parents.masked_fill(deep, -1),
-                        self.scores.masked_fill(deep, 0.0), self.without_replacement)
+        return replace(self, tokens=self.tokens.masked_fill(deep, -1), parents=self.parents.masked_fill(deep, -1),
+                       scores=self.scores.masked_fill(deep, 0.0))
 
     def prune(self, nodes: int) -> "Proposal":
         """A tree of the ``nodes`` best-scoring nodes of each row (ties: earlier node first),
@@ -108,7 +112,7 @@ class Proposal:
         batch = self.tokens.shape[0]
         if nodes <= 0:
             empty = torch.zeros(batch, 0, dtype=torch.long)
-            return Proposal(empty, None, empty.clone(), torch.zeros(batch, 0))
+            return Proposal(empty, None, empty.clone(), torch.zeros(batch, 0), caught_up=self.caught_up)
         score = torch.where(self.tokens >= 0, self.scores, float("-inf"))
         order = torch.sort(torch.argsort(-score, dim=1, stable=True)[:, :nodes], dim=1).values  # [B, n] kept, in order
         new_index = torch.full((batch, self.size + 1), -1, dtype=torch.long)  # old node -> new index (slot 0: -1 = root)
@@ -120,29 +124,27 @@ class Proposal:
         parents = torch.where(real, new_index.gather(1, old_parents + 1), -1)
         if bool((real & (parents < 0) & (old_parents >= 0)).any()):
             raise ValueError("scores must not increase from a parent to its child (the pruned tree lost a parent)")
-        return Proposal(tokens, None, parents, kept_score.clamp(min=0))
+        return Proposal(tokens, None, parents, kept_score.clamp(min=0), caught_up=self.caught_up)
+
+
+# Which proposals a proposer drafts (declared, never changing): "chains" only; "trees" when some
+# row is greedy (chains while every row samples, see all_sample; the engine may also ask for
+# chains, see ShapeRace); "always" trees (the tests of the tree path under sampling).
+TreeMode = Literal["chains", "trees", "always"]
 
 
 class Proposer(Protocol):
     # Whether the proposer reads the target's features (a draft head): the engine then passes the
-    # last block's output of the prefill to ``start`` and of each verified block to ``observe``.
+    # last block's output of the prefill to ``add`` and of each verified block to ``observe``.
     wants_target_hidden: bool
-    # Whether the next ``propose`` returns candidate trees (``Proposal.parents`` set, with scores);
-    # ``k`` is then a node budget, and adaptive k prunes each tree with
-    # :class:`~specdec.adaptive.TreeBudget`. It may change when rows join or leave (the tree
-    # proposers draft chains while every row samples), never between ``next_source`` and ``propose``.
-    emits_trees: bool
-    # Whether the last ``propose`` also fed tokens skipped earlier (its time is then not a per-draft cost).
-    caught_up: bool
+    # What it can draft; the engine chooses each step's shape from it (tree_shape) and passes it
+    # to ``propose``.
+    tree_mode: TreeMode
 
     def next_source(self, pending: list[list[int]]) -> str:
         """Which proposer the next ``propose`` uses ("default" for a single one): adaptive k keeps
         one controller per source. The engine passes ``next_source`` and the ``propose`` of the
         same step the same ``pending`` list object (a hybrid feeds its lookup index once per list)."""
-
-    def use_trees(self, on: bool) -> None:
-        """Ask a proposer that drafts trees for chains instead (``on`` False) or trees again; the
-        engine's :class:`~specdec.adaptive.ShapeRace` decides. Proposers without trees ignore it."""
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
             target_hidden: torch.Tensor | None = None) -> None:
@@ -151,9 +153,12 @@ class Proposer(Protocol):
         ``[N, L, E]`` their target features when ``wants_target_hidden``. ``generator``: the
         engine's draft stream (the same object at every call)."""
 
-    def propose(self, pending: list[list[int]], k: int) -> Proposal:
-        """Propose ``k`` tokens per row. ``pending[b]`` holds the tokens committed since the last
-        call (the first call gets the first generated token): the proposer has not seen them yet."""
+    def propose(self, pending: list[list[int]], k: int, tree: bool) -> Proposal:
+        """Propose ``k`` tokens per row: a chain, or with ``tree`` a tree of at most ``k`` nodes
+        (the engine passes ``tree`` only to a proposer whose ``tree_mode`` allows it).
+        ``pending[b]`` holds the tokens committed since the last call (the first call gets the
+        first generated token): the proposer has not seen them yet. ``Proposal.caught_up`` says
+        whether it also fed tokens it had skipped."""
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         """``num_accepted`` ``[B]``: how many of the last proposal's tokens the target accepted (for
@@ -175,27 +180,22 @@ class LookupProposer(Proposer, Protocol):
     def has_match(self, k: int = 1) -> list[bool]:
         """Per row: whether a lookup would draft now (after :meth:`feed`)."""
 
-    def lookup(self, k: int) -> Proposal:
-        """Draft up to ``k`` tokens per row from the index, without feeding it again."""
+    def lookup(self, k: int, tree: bool) -> Proposal:
+        """Draft up to ``k`` tokens (or tree nodes) per row from the index, without feeding it again."""
 
 
 class SingleSource:
     """What a proposer with one source of drafts declares for the engine: one adaptive-k
-    controller ("default"), and ``caught_up`` (set by proposers that feed skipped tokens late)."""
-
-    caught_up = False
+    controller ("default")."""
 
     def next_source(self, pending: list[list[int]]) -> str:
         return "default"
 
-    def use_trees(self, on: bool) -> None:
-        pass  # a chain proposer
 
-
-def tree_shape(trees_wanted: bool, always_trees: bool, params: list[SamplingParams]) -> bool:
-    """A tree proposer's shape for its next proposal: trees if asked (``use_trees``) and some row
-    is greedy (:func:`all_sample`), or always with ``always_trees`` (tests)."""
-    return always_trees or (trees_wanted and not all_sample(params))
+def tree_shape(mode: TreeMode, wanted: bool, params: list[SamplingParams]) -> bool:
+    """Whether the next proposal is a tree: the one place the shape is decided (the engine calls
+    it). ``wanted``: the engine's :class:`~specdec.adaptive.ShapeRace` (True without one)."""
+    return mode == "always" or (mode == "trees" and wanted and not all_sample(params))
 
 
 def all_sample(params: list[SamplingParams]) -> bool:

@@ -14,7 +14,7 @@ class DraftModelProposer(SingleSource):
     so the returned ``probs`` are exactly the processed ``q`` each token was drawn from."""
 
     wants_target_hidden = False
-    emits_trees = False
+    tree_mode = "chains"
 
     def __init__(self, model: Transformer, capacity: int, vocab_ids: torch.Tensor | None = None,
                  vocab_size: int | None = None) -> None:
@@ -31,7 +31,6 @@ class DraftModelProposer(SingleSource):
         self._pending_prefix: list[list[int]] = []  # per row: committed ids not yet fed (skipped while k = 0)
         self._skip: list[int] = []  # per row: accepted drafts already in the cache, to skip in ``pending``
         self._fed_drafts = 0  # draft tokens of the last proposal that were written into the cache
-        self.caught_up = False
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
             target_hidden: torch.Tensor | None = None) -> None:
@@ -50,7 +49,7 @@ class DraftModelProposer(SingleSource):
         self._pending_prefix += [[] for _ in prompts]
         self._skip += [0] * len(prompts)
 
-    def propose(self, pending: list[list[int]], k: int) -> Proposal:
+    def propose(self, pending: list[list[int]], k: int, tree: bool = False) -> Proposal:
         batch = len(pending)
         # Skip the accepted drafts already in the cache; prepend what k = 0 steps held back.
         feed = [pre + new[skip:] for pre, new, skip in zip(self._pending_prefix, pending, self._skip)]
@@ -61,12 +60,11 @@ class DraftModelProposer(SingleSource):
             # are fed in one forward the next time drafts are wanted.
             self._pending_prefix = feed
             self._fed_drafts = 0
-            self.caught_up = False
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
         counts = torch.tensor([len(f) for f in feed])
         # More than the usual 1-2 new tokens: this step also caught up on skipped ones, so its
         # time says little about the cost of a draft token (see AdaptiveK.observe).
-        self.caught_up = int(counts.max()) > 2
+        caught_up = int(counts.max()) > 2
         logits = self._feed(feed, counts)  # [B, V] (or [B, N] over vocab_ids)
         tokens, probs = [], []
         for i in range(k):
@@ -77,7 +75,7 @@ class DraftModelProposer(SingleSource):
             if i < k - 1:
                 logits = self.model(token, self.cache)[:, -1]  # (token ids are full-vocabulary ids)
         self._fed_drafts = k - 1
-        return Proposal(torch.cat(tokens, 1), torch.stack(probs, 1) if probs else None)
+        return Proposal(torch.cat(tokens, 1), torch.stack(probs, 1) if probs else None, caught_up=caught_up)
 
     def _feed(self, feed: list[list[int]], counts: torch.Tensor) -> torch.Tensor:
         width = int(counts.max())

@@ -19,25 +19,14 @@ from specdec.sampling import SamplingParams
 
 class HybridProposer:
     def __init__(self, lookup_side: LookupProposer, model_draft: Proposer) -> None:
-        if lookup_side.emits_trees != model_draft.emits_trees:
-            raise ValueError("a hybrid's two proposers must both emit chains or both emit trees")
+        if lookup_side.tree_mode != model_draft.tree_mode:
+            raise ValueError(f"a hybrid's two proposers must draft the same shapes (tree_mode "
+                             f"{lookup_side.tree_mode!r} and {model_draft.tree_mode!r})")
         self.lookup_side, self.model_draft = lookup_side, model_draft
+        self.tree_mode = model_draft.tree_mode
         self._queued: list[list[int]] = []
         self._fresh: list[list[int]] | None = None
         self._used = None
-
-    @property
-    def emits_trees(self) -> bool:
-        """The two sides' shape (tree proposers draft chains while every row samples or when
-        asked, both by the same rule: :func:`~specdec.proposers.base.tree_shape`)."""
-        trees = self.lookup_side.emits_trees
-        if trees != self.model_draft.emits_trees:
-            raise ValueError("a hybrid's two proposers must both emit chains or both emit trees")
-        return trees
-
-    def use_trees(self, on: bool) -> None:
-        self.lookup_side.use_trees(on)
-        self.model_draft.use_trees(on)
 
     @property
     def wants_target_hidden(self) -> bool:
@@ -57,20 +46,16 @@ class HybridProposer:
             self._fresh = pending
         return "ngram" if all(self.lookup_side.has_match()) else "draft"
 
-    def propose(self, pending: list[list[int]], k: int) -> Proposal:
+    def propose(self, pending: list[list[int]], k: int, tree: bool = False) -> Proposal:
         source = self.next_source(pending)
         self._fresh = None
         self._queued = [q + p for q, p in zip(self._queued, pending)]
         if source == "ngram":
             self._used = self.lookup_side
-            return self.lookup_side.lookup(k)
+            return self.lookup_side.lookup(k, tree)
         self._used = self.model_draft
         queued, self._queued = self._queued, [[] for _ in self._queued]
-        return self.model_draft.propose(queued, k)
-
-    @property
-    def caught_up(self) -> bool:
-        return self._used is self.model_draft and self.model_draft.caught_up
+        return self.model_draft.propose(queued, k, tree)
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         # A draft head must see the target's features of every committed token, whoever proposed.

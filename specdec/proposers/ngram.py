@@ -51,7 +51,7 @@ class NgramIndex:
 
 class NgramProposer(SingleSource):
     wants_target_hidden = False
-    emits_trees = False
+    tree_mode = "chains"
 
     def __init__(self, n_min: int = 2, n_max: int = 4) -> None:
         if not 1 <= n_min <= n_max:
@@ -71,11 +71,11 @@ class NgramProposer(SingleSource):
         for index, ids in zip(self.rows, pending):
             index.extend(ids)
 
-    def propose(self, pending: list[list[int]], k: int) -> Proposal:
+    def propose(self, pending: list[list[int]], k: int, tree: bool = False) -> Proposal:
         self.feed(pending)
         return self.lookup(k)
 
-    def lookup(self, k: int) -> Proposal:
+    def lookup(self, k: int, tree: bool = False) -> Proposal:
         """The proposal from the current histories (``feed`` first)."""
         found = [index.lookup(k) if k > 0 else [] for index in self.rows]
         width = max((len(f) for f in found), default=0)

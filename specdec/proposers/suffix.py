@@ -19,15 +19,17 @@ temperature.
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource, tree_shape
+from specdec.proposers.base import Proposal, SingleSource, TreeMode
 from specdec.proposers.ngram import NgramIndex
 from specdec.sampling import SamplingParams
 
 SEPARATOR = -1  # between documents of a shared index: no n-gram across it can match a context
+SCAN = 4  # occurrences looked at per continuation wanted (SuffixIndex.continuations)
 
 
 class SuffixIndex(NgramIndex):
@@ -40,11 +42,15 @@ class SuffixIndex(NgramIndex):
 
     def continuations(self, suffix: tuple[int, ...], depth: int, limit: int, before: int | None = None) -> list[list[int]]:
         """What followed the latest ``limit`` occurrences of ``suffix`` ending before position
-        ``before`` (default: anywhere), up to ``depth`` tokens each (cut at a separator)."""
+        ``before`` (default: anywhere), up to ``depth`` tokens each (cut at a separator). At most
+        ``SCAN * limit`` occurrences are looked at: in a shared history of many short outputs, a
+        suffix that mostly ends documents (nothing follows it) would otherwise cost a scan of
+        every occurrence at every step."""
         out = []
-        for end in reversed(self.ends.get(suffix, ())):
-            if before is not None and end >= before:
-                continue
+        ends = self.ends.get(suffix, ())
+        if before is not None:
+            ends = ends[: bisect.bisect_left(ends, before)]
+        for end in reversed(ends[-SCAN * limit:]):
             cont = self.tokens[end + 1 : end + 1 + depth]
             if SEPARATOR in cont:
                 cont = cont[: cont.index(SEPARATOR)]
@@ -297,31 +303,23 @@ class SuffixProposer(SingleSource):
     """Candidate trees from the context's own repetitions (and a shared history of earlier outputs),
     led by the copy each row is following (:class:`CopyRow`).
 
-    While every row samples (:func:`~specdec.proposers.base.all_sample`), or when the engine asks
-    for chains (``use_trees``), it proposes each tree's best path as a chain; ``always_trees``:
-    trees whatever the rows and the engine ask (tests)."""
+    When the engine asks for a chain (every row samples, or its ShapeRace wants one: see
+    :func:`~specdec.proposers.base.tree_shape`) it proposes each tree's best path. ``tree_mode``:
+    "trees" (the default), "chains" (the hybrids' lookup side) or "always" (tests)."""
 
     wants_target_hidden = False
 
     def __init__(self, min_match: int = 2, max_match: int = 8, max_occurrences: int = 32,
-                 history: SuffixHistory | None = None, always_trees: bool = False) -> None:
+                 history: SuffixHistory | None = None, tree_mode: TreeMode = "trees") -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
         if max_occurrences < 1:
             raise ValueError("max_occurrences must be >= 1")
         self.min_match, self.max_match, self.max_occurrences = min_match, max_match, max_occurrences
         self.history = SuffixHistory(max_match) if history is None else history
-        self.always_trees = always_trees
-        self.trees_wanted = True
+        self.tree_mode = tree_mode
         self.rows: list[CopyRow] = []
         self.params: list[SamplingParams] = []
-
-    @property
-    def emits_trees(self) -> bool:
-        return tree_shape(self.trees_wanted, self.always_trees, self.params)
-
-    def use_trees(self, on: bool) -> None:
-        self.trees_wanted = on
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
             target_hidden: torch.Tensor | None = None) -> None:
@@ -396,14 +394,14 @@ class SuffixProposer(SingleSource):
             return [], [], [], []
         return build_tree(conts, budget, weights, states, total=sum(masses) + (lookup_mass if found[0] else 0.0))
 
-    def lookup(self, k: int) -> Proposal:
+    def lookup(self, k: int, tree: bool = True) -> Proposal:
         """A tree of at most ``k`` nodes per row from the current histories (``feed`` first); a
-        chain of at most ``k`` tokens when :attr:`emits_trees` is off."""
+        chain of at most ``k`` tokens (each tree's best path) without ``tree``."""
         trees = [self._row_tree(row, k) if k > 0 else ([], [], [], []) for row in self.rows]
-        for row, tree in zip(self.rows, trees):
-            row.last = (tree[0], tree[1], tree[3])
-        if not self.emits_trees:
-            paths = [best_path(*tree[:3]) for tree in trees]
+        for row, (tokens, parents, _, states) in zip(self.rows, trees):
+            row.last = (tokens, parents, states)
+        if not tree:
+            paths = [best_path(*t[:3]) for t in trees]
             width = max((len(path) for path in paths), default=0)
             # a row without a match repeats its last token (as the n-gram proposer does): a guess
             padded = [path + [(path or row.index.tokens)[-1]] * (width - len(path)) for path, row in zip(paths, self.rows)]
@@ -419,9 +417,9 @@ class SuffixProposer(SingleSource):
             scores[b, : len(score)] = torch.tensor(score)
         return Proposal(tokens, None, parents=parents, scores=scores)
 
-    def propose(self, pending: list[list[int]], k: int) -> Proposal:
+    def propose(self, pending: list[list[int]], k: int, tree: bool = True) -> Proposal:
         self.feed(pending)
-        return self.lookup(k)
+        return self.lookup(k, tree)
 
     def has_match(self, k: int = 1) -> list[bool]:
         """Whether each row has a copy or a lookup match now (re-entry guesses alone do not

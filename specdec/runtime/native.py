@@ -72,7 +72,8 @@ def build(stem: str, source: str, depends: tuple[str, ...] = (), flags: tuple[st
     from specdec import cache
 
     all_flags = BASE_FLAGS + list(flags)
-    build_dir = build_directory(stem, source, depends, tuple(all_flags))
+    # (resolved: a cache reached through a link builds from the same paths, so ninja sees no change)
+    build_dir = build_directory(stem, source, depends, tuple(all_flags)).resolve()
     key = build_dir.name.rsplit("-", 1)[1]
     build_dir.mkdir(parents=True, exist_ok=True)
     with cache.build_lock(build_dir), _ninja_on_path():
@@ -82,7 +83,16 @@ def build(stem: str, source: str, depends: tuple[str, ...] = (), flags: tuple[st
         (build_dir / "lock").unlink(missing_ok=True)
         if not any(build_dir.glob("*.so")):
             cache.notice(f"compiling the {stem} kernel once ({build_dir})")
-        return load(name=f"specdec_{stem}_{key}", sources=[str(KERNELS / source)], extra_cflags=all_flags,
+        # Built from a copy inside the build directory: ninja rebuilds when a source's path
+        # changes, so building from the checkout would recompile for every checkout (or test
+        # snapshot) that shares this cache. The copy's content is the key's.
+        sources = build_dir / "src"
+        sources.mkdir(exist_ok=True)
+        for name in (source, *depends):
+            text = (KERNELS / name).read_bytes()
+            if not (sources / name).is_file() or (sources / name).read_bytes() != text:
+                (sources / name).write_bytes(text)
+        return load(name=f"specdec_{stem}_{key}", sources=[str(sources / source)], extra_cflags=all_flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 

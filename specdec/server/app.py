@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.api import TextGenerator, TextStream
+from specdec.api import TextGenerator
 from specdec.engine import MAX_SEED, Request
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import ServerMetrics
@@ -341,7 +341,7 @@ class OpenAIServer:
                 except ValueError as exc:
                     raise BadRequest(str(exc), "max_tokens" if body.max_tokens else param,
                                      "context_length_exceeded") from None
-                jobs.append(Job(p * body.n + c, request, TextStream(self.gen.target.tokenizer, stops), stops, events,
+                jobs.append(Job(p * body.n + c, request, stops, events,
                                 loop, n_choices=body.n))
         return jobs
 

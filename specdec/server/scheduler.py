@@ -19,9 +19,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from specdec.api import TextGenerator, TextStream
-from specdec.engine import Engine, Request, RowState, check_stop
+from specdec.api import TextGenerator
+from specdec.engine import Request, RowState
 from specdec.server.metrics import ServerMetrics
+from specdec.session import Session, TextRow, TextUpdate
 from specdec.speculation import SpeculationConfig
 
 # What a finished row's reason is called in the OpenAI format.
@@ -59,23 +60,21 @@ class Job:
 
     index: int
     request: Request
-    text: TextStream
     stop: list[str]
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    row: RowState | None = None
+    text: TextRow | None = None  # its row in the session, once the worker has taken it
     n_choices: int = 1  # choices per prompt in its HTTP request
-    seen: int = 0  # ids already checked for stop strings
     first_token_at: float | None = None
     cancelled: bool = False
 
 
 class Scheduler:
-    """Owns the engine and its worker thread."""
+    """A text session (its engine) plus a queue, and the worker thread that steps it."""
 
     def __init__(self, gen: TextGenerator, config: ServeConfig, metrics: ServerMetrics) -> None:
         self.gen, self.config, self.metrics = gen, config, metrics
-        self.engine = self._new_engine()
+        self.session = self._new_session()
         self._abort: str | None = None  # set by abort_all: the message every job in flight ends with
         self._lock = threading.Lock()
         self._inbox: deque[Job] = deque()
@@ -88,13 +87,14 @@ class Scheduler:
         self._calls_total = 0  # every engine's (a failed step replaces the engine)
         self._tokens = 0  # generated tokens published so far
 
-    def _new_engine(self) -> Engine:
-        config, gen = self.config, self.gen
-        spec = config.speculation
-        capacity = spec.capacity(config.max_model_len)
-        return Engine(gen.target.model, spec.build(gen, capacity), capacity=capacity, k=spec.k,
-                      k_max=spec.k_max, eos_token_ids=gen.eos_token_ids, seed=config.seed,
-                      max_batch=config.max_batch)
+    def _new_session(self) -> Session:
+        config = self.config
+        engine = self.gen.engine(config.speculation, config.max_model_len, seed=config.seed, max_batch=config.max_batch)
+        return Session(engine, self.gen.target.tokenizer)
+
+    @property
+    def engine(self):
+        return self.session.engine
 
     # -- the event-loop side ------------------------------------------------------------------
 
@@ -151,11 +151,11 @@ class Scheduler:
                     self._wake.clear()
                     continue
                 try:
-                    changed = self.engine.step()
+                    updates = self.session.step()
                 except Exception as exc:  # a bug: fail the requests in flight, keep serving the next ones
                     self._recover(exc)
                     continue
-                self._publish(changed)
+                self._publish(updates)
         finally:
             for job in list(self._jobs.values()) + list(self._inbox):
                 self._emit(job, {"finish_reason": "cancelled", "text": ""})
@@ -174,11 +174,10 @@ class Scheduler:
             self._emit(job, {"error": f"internal error: {type(exc).__name__}: {exc}", "finish_reason": "error"})
             self.metrics.requests.labels("error").inc()
         self._jobs.clear()
-        self.engine = self._new_engine()
+        self.session = self._new_session()
         self._calls_seen = 0
         for job in waiting:  # requests that had not started yet lose nothing
-            job.row = self.engine.add(job.request)
-            self._jobs[id(job.row)] = job
+            self._start(job)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -187,26 +186,29 @@ class Scheduler:
             abort, self._abort = self._abort, None
         if abort is not None:
             for job in list(self._jobs.values()) + new:
-                if job.row is not None:
-                    self.engine.cancel(job.row)
+                if job.text is not None:
+                    self.session.cancel(job.text)
                 self._emit(job, {"error": abort, "finish_reason": "cancelled"})
                 self.metrics.requests.labels("cancelled").inc()
             self._jobs.clear()
             return
         for job in new:
-            job.row = self.engine.add(job.request)
-            self._jobs[id(job.row)] = job
+            self._start(job)
             self.metrics.prompt_tokens.inc(len(job.request.prompt))
         for job in cancels:
             job.cancelled = True
-            if job.row is not None and not job.row.done:
-                self.engine.cancel(job.row)
-                self._jobs.pop(id(job.row), None)
+            if job.text is not None and not job.text.row.done:
+                self.session.cancel(job.text)
+                self._jobs.pop(id(job.text.row), None)
                 self.metrics.requests.labels("cancelled").inc()
         self.metrics.queue.set(len(self.engine.waiting))
 
-    def _publish(self, changed: list[RowState]) -> None:
-        """Stop strings, text increments and final events of the rows that changed."""
+    def _start(self, job: Job) -> None:
+        job.text = self.session.add(job.request, job.stop)
+        self._jobs[id(job.text.row)] = job
+
+    def _publish(self, updates: list[TextUpdate]) -> None:
+        """Events and metrics of the step's text updates."""
         m = self.metrics
         calls = self.engine.metrics.target_calls
         m.target_calls.inc(calls - self._calls_seen)
@@ -216,42 +218,41 @@ class Scheduler:
         for phase, seconds in self.engine.timer.step.items():
             m.phase_seconds.labels(phase).inc(seconds)
         now = time.perf_counter()
-        for row in changed:
+        for update in updates:
+            row = update.row.row
             job = self._jobs.get(id(row))
             if job is None:  # cancelled in the meantime
                 continue
             if job.first_token_at is None and row.token_ids:
                 job.first_token_at = now
                 m.ttft.observe(now - row.added_at)
-            if job.stop:
-                check_stop(self.engine, row, job.text.stop_at, job.seen)
-            else:
-                job.text.detok.update(row.token_ids)
-            m.generated.inc(len(row.token_ids) - job.seen)
-            self._tokens += len(row.token_ids) - job.seen
-            job.seen = len(row.token_ids)
-            text = job.text.release()
-            if not row.done:
-                if text:
-                    self._emit(job, {"text": text})
+            m.generated.inc(update.new_tokens)
+            self._tokens += update.new_tokens
+            if not update.done:
+                if update.text:
+                    self._emit(job, {"text": update.text})
                 continue
             del self._jobs[id(row)]
-            if row.finish_reason == "error":
-                self._emit(job, {"error": row.result.error, "finish_reason": "error"})
-                m.requests.labels("error").inc()
-                continue
-            text += job.text.finish(self.gen.final_text(row.token_ids, job.stop))
-            self._emit(job, {"text": text, "finish_reason": FINISH[row.finish_reason], "usage": self._usage(row)})
-            m.requests.labels(FINISH[row.finish_reason]).inc()
-            n = len(row.token_ids)
-            if n > 1 and job.first_token_at is not None:
-                m.tpot.observe((now - job.first_token_at) / (n - 1))
-            acc = row.result.metrics.acceptance
-            for i, (reached, accepted) in enumerate(zip(acc.reached_at, acc.accepted_at)):
-                m.reached.labels(str(i)).inc(reached)
-                m.accepted.labels(str(i)).inc(accepted)
+            self._finish(job, row, update.text, now)
         m.calls_per_token.set(self._calls_total / max(1, self._tokens))
         m.queue.set(len(self.engine.waiting))
+
+    def _finish(self, job: Job, row: RowState, text: str, now: float) -> None:
+        """A finished row's last event (its held-back text, finish reason and usage) and metrics."""
+        m = self.metrics
+        if row.finish_reason == "error":
+            self._emit(job, {"error": row.result.error, "finish_reason": "error"})
+            m.requests.labels("error").inc()
+            return
+        self._emit(job, {"text": text, "finish_reason": FINISH[row.finish_reason], "usage": self._usage(row)})
+        m.requests.labels(FINISH[row.finish_reason]).inc()
+        n = len(row.token_ids)
+        if n > 1 and job.first_token_at is not None:
+            m.tpot.observe((now - job.first_token_at) / (n - 1))
+        acc = row.result.metrics.acceptance
+        for i, (reached, accepted) in enumerate(zip(acc.reached_at, acc.accepted_at)):
+            m.reached.labels(str(i)).inc(reached)
+            m.accepted.labels(str(i)).inc(accepted)
 
     def _usage(self, row: RowState) -> dict:
         metrics = row.result.metrics

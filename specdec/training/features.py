@@ -68,7 +68,7 @@ class _Recorder(SingleSource):
     the features of the target's own answers come free with generating them."""
 
     wants_target_hidden = True
-    emits_trees = False
+    tree_mode = "chains"
 
     def __init__(self) -> None:
         self.rows: list[int] = []  # original row of each batch position
@@ -78,7 +78,7 @@ class _Recorder(SingleSource):
         self.rows += range(len(self.feats), len(self.feats) + len(prompts))
         self.feats += [[target_hidden[b, : len(p)]] for b, p in enumerate(prompts)]
 
-    def propose(self, pending, k):
+    def propose(self, pending, k, tree=False):
         from specdec.proposers.base import Proposal
 
         return Proposal(torch.zeros(len(pending), 0, dtype=torch.long), None)

@@ -17,7 +17,8 @@ from pathlib import Path
 from specdec import cache
 from specdec.models import heads
 from specdec.models.loading import LoadedModel
-from specdec.proposers.head import HeadNet, read_head, save_head
+from specdec.models.heads import read_head, save_head
+from specdec.training.head_net import HeadNet
 from specdec.training import corpus, features
 from specdec.training.train import Dataset, TrainConfig, evaluate, head_config, split, train, vocab_subset, write_json
 
@@ -328,7 +329,7 @@ def card_markdown(card: dict, file_name: str) -> str:
     return f"""# Draft head `{file_name}`
 
 An EAGLE-style draft head for **{card['target']}** (features of its `{card['target_dtype']}` runtime),
-trained by `specdec train-head` on this machine's CPU. See `specdec/proposers/head.py`.
+trained by `specdec train-head` on this machine's CPU. See `specdec/runtime/head.py`.
 
 - **Architecture:** RMS-normalised target feature + token embedding -> fc (2E -> E) -> one decoder
   layer (the target's attention shape, MLP width {t['intermediate_size']}) -> the target's final norm

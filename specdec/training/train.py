@@ -22,7 +22,8 @@ import torch
 from tqdm import tqdm
 
 from specdec import cache
-from specdec.proposers.head import HeadConfig, HeadNet
+from specdec.runtime.head import HeadConfig
+from specdec.training.head_net import HeadNet
 
 
 @dataclass(frozen=True)

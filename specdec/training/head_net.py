@@ -1,0 +1,140 @@
+"""The trainable draft head (fp32, autograd): the same function as the runtime's
+:class:`specdec.runtime.head.DraftHead` (see that module for what it computes), written so that
+one forward gives every draft step's output at every slot (training-time test)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from specdec.runtime.head import LAYER, LINEARS, HeadConfig
+from specdec.runtime.model import apply_rope, rms_norm, rope_tables
+
+
+class HeadNet(torch.nn.Module):
+    """The trainable head (fp32, autograd). Frozen parts are the target's: ``embed`` [V, E],
+    ``final_norm`` [E] and ``lm_rows`` [N, E] (its output rows for the subset ``vocab_ids``)."""
+
+    def __init__(self, cfg: HeadConfig, vocab_ids: torch.Tensor, embed: torch.Tensor, final_norm: torch.Tensor,
+                 lm_rows: torch.Tensor, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        g = torch.Generator().manual_seed(seed)
+        init = lambda *shape: torch.nn.Parameter(torch.randn(*shape, generator=g) * 0.02)  # noqa: E731
+        self.fc = init(e, 2 * e)
+        self.linears = torch.nn.ParameterDict({n.replace(".", "_"): init(*shape(e, q, kv, i)) for n, shape in LINEARS.items()})
+        self.biases = torch.nn.ParameterDict(
+            {p: torch.nn.Parameter(torch.zeros(n)) for p, n in (("q", q), ("k", kv), ("v", kv))} if cfg.attention_bias else {}
+        )
+        self.norm_feature = torch.nn.Parameter(torch.ones(e))
+        self.norm_embed = torch.nn.Parameter(torch.ones(e))
+        self.norm_in = torch.nn.Parameter(torch.ones(e))
+        self.norm_post = torch.nn.Parameter(torch.ones(e))
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
+        self.embed, self.final_norm, self.lm_rows = embed, final_norm.float(), lm_rows.float()
+        self._rope = rope_tables(cfg.rope_theta, cfg.head_dim, 4096)
+
+    # -- the state the runtime reads -------------------------------------------------------------
+    def export(self) -> dict[str, torch.Tensor]:
+        """HF-style tensors of the trainable part (what :func:`save_head` writes)."""
+        out = {"fc.weight": self.fc.detach().clone(),
+               "feature_norm.weight": self.norm_feature.detach().clone(),
+               "embed_norm.weight": self.norm_embed.detach().clone(),
+               LAYER + "input_layernorm.weight": self.norm_in.detach().clone(),
+               LAYER + "post_attention_layernorm.weight": self.norm_post.detach().clone()}
+        for name in LINEARS:
+            out[LAYER + name + ".weight"] = self.linears[name.replace(".", "_")].detach().clone()
+        for p, b in self.biases.items():
+            out[LAYER + f"self_attn.{p}_proj.bias"] = b.detach().clone()
+        return out
+
+    def load_export(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.fc.copy_(state["fc.weight"])
+            self.norm_feature.copy_(state["feature_norm.weight"])
+            self.norm_embed.copy_(state["embed_norm.weight"])
+            self.norm_in.copy_(state[LAYER + "input_layernorm.weight"])
+            self.norm_post.copy_(state[LAYER + "post_attention_layernorm.weight"])
+            for name in LINEARS:
+                self.linears[name.replace(".", "_")].copy_(state[LAYER + name + ".weight"])
+            for p, b in self.biases.items():
+                b.copy_(state[LAYER + f"self_attn.{p}_proj.bias"])
+
+    # -- forward ---------------------------------------------------------------------------------
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's final norm of its features ``[..., E]`` (what its output layer reads)."""
+        return rms_norm(hidden.float(), self.final_norm, self.cfg.rms_norm_eps, False)
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own logits over the subset from its features ``[..., E]`` -> ``[..., N]``."""
+        return F.linear(self.normed(hidden), self.lm_rows)
+
+    def fc_input(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        return torch.cat([rms_norm(feats, self.norm_feature, eps, False), rms_norm(emb, self.norm_embed, eps, False)], -1)
+
+    def _proj(self, x: torch.Tensor, name: str, bias: str | None = None) -> torch.Tensor:
+        b = self.biases[bias] if bias is not None and bias in self.biases else None
+        return F.linear(x, self.linears[name.replace(".", "_")], b)
+
+    def passes(self, hidden: torch.Tensor, tokens: torch.Tensor, num_passes: int) -> list[torch.Tensor]:
+        """Outputs ``f`` ``[B, L, E]`` of draft steps 1..``num_passes`` at every slot, as drafting
+        would produce them with teacher-forced tokens.
+
+        Pass 1 at slot i reads ``(h_i, x_{i+1})`` and attends to pass 1 at slots <= i: the first
+        draft after a committed prefix. Pass m reads ``(f^{m-1}_{i-1}, x_{i+1})`` — the previous
+        step's guess at the slot before — and attends to what the cache holds at that draft step:
+        true pairs (pass 1) at slots <= i-m+1 and passes 2..m at slots i-m+2..i (the key of slot
+        j = i-d from pass m-d). Pass m is only meaningful at slots i >= m-1.
+        """
+        cfg = self.cfg
+        bsz, length, e = hidden.shape
+        emb = self.embed[tokens.clamp(min=0)[:, 1:]].float()  # [B, L-1, E] the token after each slot
+        emb = torch.cat([emb, emb.new_zeros(bsz, 1, e)], 1)  # [B, L, E] (the last slot has no next token)
+        cos, sin = (t[:length].view(1, 1, length, -1) for t in self._rope)
+        keys, values, outs = [], [], []
+        feats = hidden.float()
+        for m in range(1, num_passes + 1):
+            if m > 1:  # the previous pass's guess at the slot before
+                feats = torch.cat([feats.new_zeros(bsz, 1, e), outs[-1][:, :-1]], 1)
+            x = F.linear(self.fc_input(feats, emb), self.fc)  # [B, L, E]
+            h = rms_norm(x, self.norm_in, cfg.rms_norm_eps, False)
+            q = self._proj(h, "self_attn.q_proj", "q").view(bsz, length, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+            k = self._proj(h, "self_attn.k_proj", "k").view(bsz, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            v = self._proj(h, "self_attn.v_proj", "v").view(bsz, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            rep = cfg.num_heads // cfg.num_kv_heads
+            keys.append(k.repeat_interleave(rep, 1))  # [B, Hq, L, D]
+            values.append(v.repeat_interleave(rep, 1))
+            attn = self._attend(q, keys, values, m)
+            x = x + self._proj(attn.transpose(1, 2).reshape(bsz, length, -1), "self_attn.o_proj")
+            h = rms_norm(x, self.norm_post, cfg.rms_norm_eps, False)
+            mlp = self._proj(F.silu(self._proj(h, "mlp.gate_proj")) * self._proj(h, "mlp.up_proj"), "mlp.down_proj")
+            outs.append(x + mlp)
+        return outs
+
+    def _attend(self, q: torch.Tensor, keys: list, values: list, m: int) -> torch.Tensor:
+        """Attention of pass ``m``'s queries ``[B, H, L, D]``: pass-1 keys at slots <= i-m+1, and
+        for d = 0..m-2 the key of slot i-d from pass m-d (see :meth:`passes`)."""
+        length = q.shape[2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        slots = torch.arange(length)
+        scores = [(q @ keys[0].transpose(-1, -2)) * scale]  # [B, H, L, L]
+        allowed = slots.view(1, -1) <= slots.view(-1, 1) - (m - 1)  # [L, L]
+        scores[0] = scores[0].masked_fill(~allowed, float("-inf"))
+        shifted_values = []
+        for d in range(m - 1):
+            kp, vp = keys[m - 1 - d], values[m - 1 - d]  # pass m-d
+            kp = F.pad(kp, (0, 0, d, 0))[:, :, :length]  # slot i holds the key of slot i-d
+            vp = F.pad(vp, (0, 0, d, 0))[:, :, :length]
+            s = (q * kp).sum(-1, keepdim=True) * scale  # [B, H, L, 1]
+            scores.append(s.masked_fill((slots < d).view(1, 1, -1, 1), float("-inf")))
+            shifted_values.append(vp)
+        probs = torch.softmax(torch.cat(scores, -1), -1)
+        out = probs[..., :length] @ values[0]
+        for d, vp in enumerate(shifted_values):
+            out = out + probs[..., length + d : length + d + 1] * vp
+        return out

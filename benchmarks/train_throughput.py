@@ -1,7 +1,7 @@
 """Head-training throughput: tokens per second of forward + backward + optimizer step on stored
 target features, and where the time goes (torch.profiler, self CPU time by op).
 
-    .venv/bin/python benchmarks/train_throughput.py --features DIR [--steps 6] [--batch 4] [--no-bf16]
+    .venv/bin/python benchmarks/train_throughput.py --features DIR [--steps 6] [--batch 4]
 
 Tokens counted are the sequences' real tokens (padding excluded). Run with nothing else on the
 machine: it is a timing.
@@ -18,7 +18,7 @@ import torch
 from specdec.runtime.head import HeadConfig
 from specdec.training.head_net import HeadNet
 from specdec.training import features
-from specdec.training.train import Dataset, TrainConfig, answer_mask, order, pass_losses, pass_losses_top_k
+from specdec.training.train import Dataset, TrainConfig, answer_mask, order, pass_losses, pass_losses_top_k, precision
 
 QWEN_HEADER, QWEN_ENDS = [151644, 77091, 198], {151645}  # "<|im_start|>assistant\n", "<|im_end|>"
 
@@ -62,7 +62,7 @@ def main() -> None:
     for i in range(1, args.steps + 1):
         n += step(i)
     dt = time.perf_counter() - t
-    print(f"threads {torch.get_num_threads()}  top-k {args.top_k}  answers-only {args.answers_only}  "
+    print(f"{precision()}  threads {torch.get_num_threads()}  top-k {args.top_k}  answers-only {args.answers_only}  "
           f"{n} tokens in {dt:.1f} s: {n / dt:.0f} tokens/s ({args.steps} steps of {args.batch} sequences)")
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -345,3 +345,14 @@ def test_answer_mask_covers_each_answer_and_its_end_token():
     tokens = torch.tensor([[5, 1, 2, 9, 9, 7, 8, 1, 2, 3, 7, -1], [9] * 12])
     mask = answer_mask(tokens, header, {end})
     assert mask.int().tolist() == [[0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0], [0] * 12]
+
+
+def test_bf16_autocast_only_where_the_cpu_multiplies_bf16_natively():
+    """Emulated bf16 (an AVX2 CPU) trained >10x slower than fp32: autocast only with AVX-512 BF16 or AMX."""
+    from specdec.training.train import native_bf16
+
+    avx2 = "flags\t\t: fpu sse2 avx avx2 fma f16c"
+    assert not native_bf16(avx2)
+    assert native_bf16(avx2 + " avx512f avx512_bf16")
+    assert native_bf16(avx2 + " amx_bf16 amx_tile")
+    assert not native_bf16(avx2 + " avx512f avx512_vnni")  # VNNI alone: int8, not bf16

@@ -20,7 +20,8 @@ from specdec.models.loading import LoadedModel
 from specdec.models.heads import read_head, save_head
 from specdec.training.head_net import HeadNet
 from specdec.training import corpus, features
-from specdec.training.train import Dataset, TrainConfig, evaluate, head_config, split, train, vocab_subset, write_json
+from specdec.training.train import (Dataset, TrainConfig, evaluate, head_config, precision, split, train, vocab_subset,
+                                    write_json)
 
 
 ANSWER_BATCH = 16
@@ -155,7 +156,7 @@ def _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages, f
     card = {
         "target": target.name,
         "target_dtype": model.dtype_name,
-        "train_config": asdict(cfg),
+        "train_config": asdict(cfg), "training_precision": precision(),
         "corpus": {k: v for k, v in data["manifest"].items() if k != "sources"} | {
             "sequences_used": len(sequences), "train_tokens": train_tokens,
             "held_out_sequences": len(held_ids)},
@@ -229,6 +230,7 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
     after = evaluate(net, held, held_ids, cfg.passes, full_rows, batch=1, answer_header=header, ends=eos_ids)
     card = {
         "target": target.name, "target_dtype": model.dtype_name, "train_config": asdict(cfg),
+        "training_precision": precision(),
         "init_head": {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest(),
                       "card": {k: old_card.get(k) for k in ("corpus", "held_out", "finetune") if k in old_card}},
         "corpus": {k: v for k, v in data["manifest"].items() if k != "sources"} | {

@@ -11,3 +11,19 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def fresh_home(tmp_path, monkeypatch):
+    """Point SPECDEC_HOME at an empty directory that shares this machine's compiled kernels (a
+    link): the tests using it check model caches and commands, and rebuilding every kernel in
+    each fresh home would cost minutes."""
+    from specdec import cache
+
+    kernels = cache.home() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    if not (home / "kernels").exists():
+        (home / "kernels").symlink_to(kernels, target_is_directory=True)
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    return home

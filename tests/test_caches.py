@@ -18,6 +18,7 @@ import torch
 
 from specdec import cache
 from specdec.models import loading, registry
+from conftest import fresh_home
 from tiny_models import hf_tiny, save_hf_dir
 
 IDS = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
@@ -29,14 +30,7 @@ def _save(hf, directory: Path) -> Path:
 
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
-    """A fresh SPECDEC_HOME, sharing this machine's compiled kernels (a link to them): what is
-    tested here are the model caches, and rebuilding every kernel would cost minutes."""
-    kernels = cache.home() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "home").mkdir()
-    (tmp_path / "home" / "kernels").symlink_to(kernels, target_is_directory=True)
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
+    return fresh_home(tmp_path, monkeypatch)
 
 
 def _logits(loaded) -> torch.Tensor:

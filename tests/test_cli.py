@@ -11,6 +11,7 @@ import pytest
 
 from specdec.cli import main
 from tiny_models import hf_tiny, save_hf_dir
+from conftest import fresh_home
 
 MISSING = "/nonexistent/model"  # options must be rejected before any model is looked for
 
@@ -22,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    fresh_home(tmp_path, monkeypatch)
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

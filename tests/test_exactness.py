@@ -15,6 +15,7 @@ from specdec.exactness import exact_joint_law, verify_deployment
 from specdec.proposers import DraftModelProposer
 from specdec.sampling import SamplingParams
 from tiny_models import hf_tiny, ours, save_hf_dir
+from conftest import fresh_home
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10]]
 
@@ -55,7 +56,7 @@ def test_a_broken_verifier_is_reported_not_exact(pair, monkeypatch):
 
 
 def test_cli_verify_json_and_exit_code(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    fresh_home(tmp_path, monkeypatch)
     target = save_hf_dir(hf_tiny("qwen2", seed=0), tmp_path / "target")
     draft = save_hf_dir(hf_tiny("qwen2", seed=5, layers=1), tmp_path / "draft")
     code = main(["verify", "--target", str(target), "--draft", str(draft), "--k", "2", "--samples", "600",
@@ -77,7 +78,7 @@ def test_power_of_the_chi_square_test():
 def test_cli_verify_inconclusive_has_its_own_exit_code(tmp_path, monkeypatch, capsys):
     """A run whose proposer never drafts cannot reject the negative control: "inconclusive",
     exit 3 (not 1, which means NOT exact)."""
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    fresh_home(tmp_path, monkeypatch)
     target = save_hf_dir(hf_tiny("qwen2", seed=0), tmp_path / "target")
     code = main(["verify", "--target", str(target), "--proposer", "ngram", "--k", "2", "--samples", "300",
                  "--prompt", "xyz", "--greedy-tokens", "4", "--json"])
@@ -108,7 +109,7 @@ def test_the_lookup_law_prompt_drafts_at_every_step_with_an_uncertain_next_symbo
 
 def test_cli_profile_runs_on_its_built_in_prompts(tmp_path, monkeypatch, capsys):
     """`specdec profile` with no --prompt (a lookup method: BRANCH_PROMPT first) prints its table."""
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    fresh_home(tmp_path, monkeypatch)
     target = save_hf_dir(hf_tiny("qwen2", seed=0), tmp_path / "target")
     config = json.loads((target / "tokenizer_config.json").read_text())  # built-in prompts are chat
     config["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"

@@ -10,6 +10,7 @@ import torch
 from specdec.api import TextGenerator, check_compatible
 from specdec.models import loading
 from tiny_models import hf_tiny
+from conftest import fresh_home
 
 
 def _tokenizer(vocab_size: int, shift: int = 0):
@@ -24,7 +25,7 @@ def _tokenizer(vocab_size: int, shift: int = 0):
 
 @pytest.fixture
 def hf_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    fresh_home(tmp_path, monkeypatch)
     hf = hf_tiny("qwen2")
     directory = tmp_path / "tiny-qwen2"
     hf.save_pretrained(directory)
@@ -146,7 +147,7 @@ def test_a_shipped_head_follows_the_model_not_its_name(tmp_path, monkeypatch):
 
     from specdec.models import heads, registry
 
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    fresh_home(tmp_path, monkeypatch)
     data = b"GGUF" + bytes(range(256)) * 64
     a, b, other = tmp_path / "a.gguf", tmp_path / "copy" / "b.gguf", tmp_path / "other.gguf"
     b.parent.mkdir()

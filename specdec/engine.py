@@ -317,7 +317,8 @@ class Engine:
         proposer will use next (adaptive k only)."""
         if self.proposer is None:
             return None, False
-        params = [r.request.params for r in self.rows]
+        chains = self.proposer.tree_mode == "chains"  # (then no row's params matter)
+        params = [] if chains else [r.request.params for r in self.rows]
         if self.controllers is None:
             return None, tree_shape(self.proposer.tree_mode, True, params)
         self._source = self.proposer.next_source(pending)

@@ -166,7 +166,8 @@ class TreeBlock:
         and the accepted path's nodes in order (-1 padding reads the root)."""
         cache.keep_path(before, result.path, result.num_accepted)
         if hidden is not None:
-            index = torch.cat([torch.zeros_like(result.path[:, :1]), result.path + 1], 1).clamp(min=0)
+            root = torch.zeros(result.path.shape[0], 1, dtype=torch.long)  # (also when the tree is empty: path [B, 0])
+            index = torch.cat([root, result.path + 1], 1).clamp(min=0)
             hidden = hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         return _last_committed(result), hidden
 

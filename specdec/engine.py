@@ -25,7 +25,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -101,6 +101,16 @@ class RowState:
         return self.result.finish_reason if self.done else None
 
 
+class FeatureTap(Protocol):
+    """Receives the target's last-block features of every position whose KV a row commits, in
+    order: the prompt's at its prefill, then each step's fed token and accepted drafts. (Head
+    training records the features of the target's own answers with one: they come free with
+    generating them, :func:`specdec.training.features.generate_with_features`.)"""
+
+    def take(self, row: "RowState", hidden: torch.Tensor) -> None:  # hidden [n, E]
+        ...
+
+
 class PhaseTimer:
     """Adds the seconds of each ``with timer.phase(name):`` block to ``Timings.<name>`` and keeps
     this step's own totals in ``step`` (what the k controllers learn from)."""
@@ -149,7 +159,7 @@ class Engine:
 
     def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
                  k_max: int = K_MAX, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
-                 max_batch: int | None = None,
+                 max_batch: int | None = None, tap: FeatureTap | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
         # trees or chains, measured per source (adaptive k with a proposer that drafts trees)
@@ -170,7 +180,8 @@ class Engine:
         self.k_max, self.capacity, self.max_batch = k_max, capacity, max_batch
         self.eos_token_ids = eos_token_ids
         self.context_len = min(target.cfg.max_position_embeddings, capacity)
-        self.want_hidden = proposer is not None and proposer.wants_target_hidden
+        self.tap = tap
+        self.want_hidden = tap is not None or (proposer is not None and proposer.wants_target_hidden)
         self.g_verify = torch.Generator().manual_seed(seed)
         self.g_draft = torch.Generator().manual_seed(seed + 1)
         self.cache = target.new_cache(0, capacity)
@@ -279,6 +290,9 @@ class Engine:
             row.result.metrics.timings.ttft = now - row.added_at
             if not row.done:  # (a row that failed in verification commits nothing)
                 self._commit(row, [token])
+        if self.tap is not None:
+            for b, row in enumerate(joining):
+                self.tap.take(row, hidden[b, : len(row.request.prompt)])
         return joining
 
     def _decode(self) -> list[RowState]:
@@ -308,7 +322,7 @@ class Engine:
             if self.races is not None:
                 self.races[self._source].observe(block.trees, int(result.num_accepted.sum()) + len(self.rows),
                                                  t.get("draft", 0.0) + t["target_forward"] + t["verification"] + t.get("cache", 0.0))
-        self._record(block, result)
+        self._record(block, result, hidden)
         return list(self.rows)
 
     def _controller(self, pending: list[list[int]]) -> tuple[AdaptiveK | TreeBudget | None, bool]:
@@ -397,9 +411,10 @@ class Engine:
             row.result.error = message
         self.cancel(row, "error")
 
-    def _record(self, block: Block, result) -> None:
-        """Per-row acceptance bookkeeping (one tolist per quantity, no per-row tensor ops) and
-        the commit of each row's tokens."""
+    def _record(self, block: Block, result, hidden: torch.Tensor | None) -> None:
+        """Per-row acceptance bookkeeping (one tolist per quantity, no per-row tensor ops), the
+        commit of each row's tokens, and the tap's features of the positions whose KV was kept
+        (``hidden`` ``[B, k+1, E]``: the fed token's, then the accepted path's)."""
         depth, accepted, scored = block.depth, result.num_accepted.tolist(), block.scored
         committed = result.tokens.tolist()
         for i, row in enumerate(self.rows):
@@ -409,6 +424,8 @@ class Engine:
                 continue
             metrics.acceptance.record(depth[i], accepted[i], scored[i])
             self.metrics.acceptance.record(depth[i], accepted[i], scored[i])
+            if self.tap is not None:
+                self.tap.take(row, hidden[i, : accepted[i] + 1])
             self._commit(row, committed[i][: accepted[i] + 1])
 
     def _commit(self, row: RowState, ids: list[int]) -> None:
@@ -432,13 +449,14 @@ def generate(
     seed: int = 0,
     seeds: list[int | None] | None = None,
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    tap: FeatureTap | None = None,
     verifier: Callable[..., ChainVerification] = verify_chain_unchecked,
 ) -> list[RowResult]:
     """Generate up to ``max_new_tokens`` per prompt, all rows joining at once; exact target
     sampling whatever the proposer. A thin loop over :class:`Engine`, token ids in and out (text,
     stop strings and streaming: :class:`specdec.session.Session`).
 
-    ``k``: draft tokens per step, or ``"auto"``. ``seed``: the engine's streams; ``seeds`` (one
+    ``k``: draft tokens per step, or ``"auto"``. ``tap``: see :class:`FeatureTap`. ``seed``: the engine's streams; ``seeds`` (one
     per prompt, None for some): reproducible sampling for those rows.
     """
     batch = len(prompts)
@@ -449,7 +467,7 @@ def generate(
     row_params = params if isinstance(params, list) else [params] * batch
     longest = max(len(p) for p in prompts)
     engine = Engine(target, proposer, capacity=kv_capacity(longest + max_new_tokens, k, k_max), k=k,
-                    k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, verifier=verifier)
+                    k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, tap=tap, verifier=verifier)
     rows = [engine.add(Request(p, row_params[i], max_new_tokens, None if seeds is None else seeds[i]))
             for i, p in enumerate(prompts)]
     for _ in steps(engine, rows):

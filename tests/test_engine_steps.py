@@ -50,3 +50,21 @@ def test_rollback_keeps_the_fed_token_and_the_accepted_drafts():
     assert cache.lengths.tolist() == [6, 11, 11]  # before + 1 + accepted
     assert last.tolist() == [11, 12, 13]  # the replacement / bonus token of each row
     assert torch.equal(hidden, torch.arange(12.0).view(3, 4, 1))  # a chain's features are already in order
+
+
+def test_an_empty_tree_keeps_the_root_and_its_feature():
+    """Adaptive k may prune a tree to no node (plain decoding for a step): the fed token's KV and
+    feature are still kept. (The feature was lost once, shifting a head's features by one
+    position for the rest of the row.)"""
+    from specdec.blocks import TreeBlock
+    from specdec.tree import TreeVerification
+
+    cache = KVCache(1, 2, 1, 2, 32, torch.float32)
+    before = torch.tensor([4, 6])
+    cache.advance(before + 1)
+    block = TreeBlock(Proposal(torch.zeros(2, 0, dtype=torch.long), None, parents=torch.zeros(2, 0, dtype=torch.long)))
+    result = TreeVerification(num_accepted=torch.tensor([0, 0]), tokens=torch.tensor([[7], [8]]),
+                              path=torch.zeros(2, 0, dtype=torch.long))
+    last, hidden = block.commit_kv(cache, before, result, torch.arange(2.0).view(2, 1, 1))  # [B, N+1, E]
+    assert cache.lengths.tolist() == [5, 7] and last.tolist() == [7, 8]
+    assert hidden.tolist() == [[[0.0]], [[1.0]]]

@@ -15,7 +15,6 @@ import torch
 from tqdm import tqdm
 
 from specdec import cache
-from specdec.proposers.base import SingleSource
 from specdec.runtime.model import Transformer
 
 SHARD = 16
@@ -63,48 +62,37 @@ def load_shards(directory: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-class _Recorder(SingleSource):
-    """A proposer that never drafts and keeps the target's features of every committed position:
-    the features of the target's own answers come free with generating them."""
-
-    wants_target_hidden = True
-    tree_mode = "chains"
+class FeatureRecorder:
+    """A :class:`~specdec.engine.FeatureTap` keeping each row's features, in commit order."""
 
     def __init__(self) -> None:
-        self.rows: list[int] = []  # original row of each batch position
-        self.feats: list[list[torch.Tensor]] = []
+        self.feats: dict[int, list[torch.Tensor]] = {}  # id(row) -> [n_i, E] pieces
 
-    def add(self, prompts, params, generator, target_hidden=None) -> None:
-        self.rows += range(len(self.feats), len(self.feats) + len(prompts))
-        self.feats += [[target_hidden[b, : len(p)]] for b, p in enumerate(prompts)]
+    def take(self, row, hidden: torch.Tensor) -> None:
+        self.feats.setdefault(id(row), []).append(hidden)
 
-    def propose(self, pending, k, tree=False):
-        from specdec.proposers.base import Proposal
-
-        return Proposal(torch.zeros(len(pending), 0, dtype=torch.long), None)
-
-    def observe(self, num_accepted, target_hidden=None) -> None:
-        for b, row in enumerate(self.rows):
-            self.feats[row].append(target_hidden[b, :1])
-
-    def retain(self, rows: list[int]) -> None:
-        self.rows = [self.rows[i] for i in rows]
+    def of(self, row) -> torch.Tensor:
+        """``[n, E]`` every feature taken for ``row``."""
+        return torch.cat(self.feats[id(row)])
 
 
 def generate_with_features(target: Transformer, prompts: list[list[int]], params, max_new_tokens: int,
                            eos_token_ids, seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
     """The target's own answers to ``prompts`` with its features at every position of prompt and
     answer but the last (whose feature is never computed): ``[(ids, hidden [len(ids) - 1, E])]``."""
-    from specdec.engine import generate
+    from specdec.engine import Engine, Request, kv_capacity, steps
 
-    recorder = _Recorder()
-    rows = generate(target, prompts, params, max_new_tokens, proposer=recorder, k=1, seed=seed,
-                    eos_token_ids=eos_token_ids)
+    recorder = FeatureRecorder()
+    engine = Engine(target, capacity=kv_capacity(max(map(len, prompts)) + max_new_tokens, 0, 0), k_max=0,
+                    eos_token_ids=eos_token_ids, seed=seed, tap=recorder)
+    rows = [engine.add(Request(p, params, max_new_tokens)) for p in prompts]
+    for _ in steps(engine, rows):
+        pass
     out = []
-    for prompt, row, feats in zip(prompts, rows, recorder.feats):
+    for prompt, row in zip(prompts, rows):
         ids = prompt + row.token_ids
-        hidden = torch.cat(feats)[: len(ids) - 1]
-        out.append((ids[: hidden.shape[0]], hidden))  # the last token has no feature: dropped
+        hidden = recorder.of(row)  # [len(ids) - 1, E]: the last token is never fed, so has no feature
+        out.append((ids[: hidden.shape[0]], hidden))
     return out
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from specdec.prefix_cache import PrefixCache
 from specdec.engine import Engine, Request
 from specdec.runtime.head import DraftHead
 from specdec.proposers.suffix import SuffixHistory
@@ -134,12 +135,14 @@ class TextGenerator:
         return Session(engine, self.target.tokenizer).run(requests, stop, on_text)
 
     def engine(self, spec: SpeculationConfig, tokens: int, *, seed: int = 0, max_batch: int | None = None,
-               ignore_eos: bool = False) -> Engine:
+               ignore_eos: bool = False, prefix_cache: PrefixCache | None = None) -> Engine:
         """An engine over the target with ``spec``'s proposer, each row holding up to ``tokens``
-        (prompt + max_new_tokens): the one place engines are made (API, bench, server)."""
+        (prompt + max_new_tokens): the one place engines are made (API, bench, server).
+        ``prefix_cache``: KV of earlier prompts and answers to reuse (the target's own)."""
         capacity = spec.capacity(tokens)
         return Engine(self.target.model, spec.build(self, capacity), capacity=capacity, k=spec.k, k_max=spec.k_max,
-                      eos_token_ids=set() if ignore_eos else self.eos_token_ids, seed=seed, max_batch=max_batch)
+                      eos_token_ids=set() if ignore_eos else self.eos_token_ids, seed=seed, max_batch=max_batch,
+                      prefix_cache=prefix_cache)
 
 
 def encode_messages(tok, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:

@@ -32,6 +32,7 @@ import torch
 from specdec.adaptive import K_MAX, AdaptiveK, ShapeRace, TreeBudget
 from specdec.blocks import Block, ChainBlock, RowKind, block_of, row_kind
 from specdec.metrics import GenerationMetrics, Timings
+from specdec.prefix_cache import PrefixCache
 from specdec.proposers.base import Proposal, Proposer, tree_shape
 from specdec.runtime import elementwise
 from specdec.runtime.model import Transformer
@@ -90,6 +91,9 @@ class RowState:
     pending: list[int] = field(default_factory=list)  # committed ids the proposer has not seen yet
     done: bool = False
     added_at: float = field(default_factory=time.perf_counter)
+    # the target's features of the committed positions, kept for the prefix cache when the
+    # proposer reads features (so that a later request reusing this row's KV has them too)
+    features: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -160,6 +164,7 @@ class Engine:
     def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
                  k_max: int = K_MAX, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
                  max_batch: int | None = None, tap: FeatureTap | None = None,
+                 prefix_cache: PrefixCache | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
         # trees or chains, measured per source (adaptive k with a proposer that drafts trees)
@@ -180,7 +185,9 @@ class Engine:
         self.k_max, self.capacity, self.max_batch = k_max, capacity, max_batch
         self.eos_token_ids = eos_token_ids
         self.context_len = min(target.cfg.max_position_embeddings, capacity)
-        self.tap = tap
+        self.tap, self.prefix = tap, prefix_cache
+        # a proposer that reads features needs them for a reused prefix too: keep each row's
+        self.keep_features = prefix_cache is not None and proposer is not None and proposer.wants_target_hidden
         self.want_hidden = tap is not None or (proposer is not None and proposer.wants_target_hidden)
         self.g_verify = torch.Generator().manual_seed(seed)
         self.g_draft = torch.Generator().manual_seed(seed + 1)
@@ -250,11 +257,26 @@ class Engine:
         if len(keep) == len(self.rows):
             return
         with self.timer.phase("cache"):
+            if self.prefix is not None:
+                self._store_finished([i for i, r in enumerate(self.rows) if r.done])
             self.rows = [self.rows[i] for i in keep]
             self.last = self.last[keep]
             self.cache.retain(keep)
             if self.proposer is not None:  # (also when none is left: a proposer may keep finished outputs)
                 self.proposer.retain(keep)
+
+    def _store_finished(self, index: list[int]) -> None:
+        """Put the prompt and output KV of finished rows (not failed ones) into the prefix cache:
+        the next turn of a conversation starts with them. A row's cache holds every token but
+        its last (never fed); a stop string may have cut its output shorter still."""
+        for i in index:
+            row = self.rows[i]
+            if row.result.finish_reason == "error":
+                continue
+            ids = row.request.prompt + row.token_ids
+            n = min(int(self.cache.lengths[i]), len(ids))
+            hidden = torch.cat(row.features)[:n] if self.keep_features else None
+            self.prefix.insert(ids[:n], self.cache, i, hidden)
 
     def _join(self) -> list[RowState]:
         """Prefill the waiting requests that fit, in one target call over just their rows, and
@@ -266,14 +288,7 @@ class Engine:
         prompts = [r.request.prompt for r in joining]
         params = [r.request.params for r in joining]
         with self.timer.phase("prefill"):
-            rows = self.cache.append_rows(len(joining))  # right-padded prompts, logits at each last token
-            lengths = torch.tensor([len(p) for p in prompts])
-            longest = int(lengths.max())
-            padded = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
-            out = self.target(padded, rows, logit_index=(lengths - 1).unsqueeze(1), return_hidden=self.want_hidden)
-            logits, hidden = out if self.want_hidden else (out, None)  # [N, 1, V], [N, L, E]
-            rows.truncate(lengths)
-            self.cache.set_lengths(len(self.rows), rows.lengths)
+            logits, hidden = self._prefill(joining)  # [N, 1, V], [N, L, E] or None
         self.metrics.target_calls += 1
         with self.timer.phase("verification"):
             first = self._verify(joining, logits, ChainBlock(Proposal(torch.zeros(len(joining), 0, dtype=torch.long), None)))
@@ -294,6 +309,61 @@ class Engine:
             for b, row in enumerate(joining):
                 self.tap.take(row, hidden[b, : len(row.request.prompt)])
         return joining
+
+    def _prefill(self, joining: list[RowState]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target call over the joining rows' prompts (right-padded), into fresh cache rows;
+        the logits at each prompt's last token ``[N, 1, V]`` and, if wanted, the target's
+        features of every prompt position ``[N, L, E]``. With a prefix cache, each row first
+        takes the cached KV of its prompt's longest cached prefix and prefills only the rest."""
+        prompts = [r.request.prompt for r in joining]
+        rows = self.cache.append_rows(len(joining))
+        chains = [self.prefix.match(p, self.want_hidden) if self.prefix is not None else [] for p in prompts]
+        reused = self._fit_reuse(prompts, [len(c) * self.prefix.block if c else 0 for c in chains])
+        for i, (chain, m) in enumerate(zip(chains, reused)):
+            if m:
+                self.prefix.load(rows, i, chain[: m // self.prefix.block])
+            joining[i].result.metrics.cached_prompt_tokens = m
+        self.metrics.cached_prompt_tokens += sum(reused)
+        rest = [p[m:] for p, m in zip(prompts, reused)]
+        lengths = torch.tensor([len(r) for r in rest])
+        longest = int(lengths.max())
+        padded = torch.tensor([r + [0] * (longest - len(r)) for r in rest])
+        out = self.target(padded, rows, logit_index=(lengths - 1).unsqueeze(1), return_hidden=self.want_hidden)
+        logits, hidden = out if self.want_hidden else (out, None)  # [N, 1, V], [N, T, E]
+        rows.truncate(torch.tensor(reused) + lengths)
+        self.cache.set_lengths(len(self.rows), rows.lengths)
+        if hidden is not None and any(reused):
+            hidden = self._whole_prompt_hidden(chains, reused, hidden, lengths)
+        if self.prefix is not None:
+            for i, p in enumerate(prompts):
+                self.prefix.insert(p, rows, i, None if hidden is None else hidden[i, : len(p)])
+        if self.keep_features:
+            for i, row in enumerate(joining):
+                row.features = [hidden[i, : len(prompts[i])]]
+        return logits, hidden
+
+    def _fit_reuse(self, prompts: list[list[int]], reused: list[int]) -> list[int]:
+        """Cached tokens each row takes: every row's block is as wide as the longest remainder,
+        so a row whose cached prefix would push that block past its capacity takes none."""
+        while True:
+            width = max(len(p) - m for p, m in zip(prompts, reused))
+            over = [i for i, m in enumerate(reused) if m and m + width > self.capacity]
+            if not over:
+                return reused
+            for i in over:
+                reused[i] = 0
+
+    def _whole_prompt_hidden(self, chains, reused: list[int], hidden: torch.Tensor,
+                             lengths: torch.Tensor) -> torch.Tensor:
+        """``[N, L, E]`` each prompt's features: the cached prefix's, then the prefilled rest's."""
+        width = max(m + int(n) for m, n in zip(reused, lengths.tolist()))
+        out = hidden.new_zeros(len(reused), width, hidden.shape[-1])
+        for i, (chain, m) in enumerate(zip(chains, reused)):
+            n = int(lengths[i])
+            if m:
+                out[i, :m] = PrefixCache.hidden_of(chain[: m // self.prefix.block])
+            out[i, m : m + n] = hidden[i, :n]
+        return out
 
     def _decode(self) -> list[RowState]:
         """propose -> one target call -> verify -> commit / roll back -> observe."""
@@ -426,6 +496,8 @@ class Engine:
             self.metrics.acceptance.record(depth[i], accepted[i], scored[i])
             if self.tap is not None:
                 self.tap.take(row, hidden[i, : accepted[i] + 1])
+            if self.keep_features:
+                row.features.append(hidden[i, : accepted[i] + 1])
             self._commit(row, committed[i][: accepted[i] + 1])
 
     def _commit(self, row: RowState, ids: list[int]) -> None:

@@ -120,6 +120,7 @@ class GenerationMetrics:
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     timings: Timings = field(default_factory=Timings)
     requests: int = 1
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
 
     @property
     def tpot(self) -> float:
@@ -137,6 +138,7 @@ class GenerationMetrics:
             "target_calls_per_token": self.target_calls / n if n else 0.0,
             "tokens_per_call": n / self.target_calls if self.target_calls else 0.0,
             "generated_tokens": n,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "ttft_s": t.ttft,
             "tpot_s": self.tpot,
             "throughput_tok_s": n / t.total if t.total > 0 else 0.0,

@@ -112,6 +112,29 @@ def test_chat_streaming_and_usage(server):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_multi_turn_chat_reuses_its_history_from_the_prefix_cache(server, gen):
+    """Turn 2 of a conversation resends turn 1 and its answer: its KV comes from the prefix
+    cache (usage.prompt_tokens_details.cached_tokens, the /metrics gauges), and the answer is
+    the library's without any cache."""
+    from specdec.sampling import SamplingParams
+
+    messages = [{"role": "system", "content": "You answer in lowercase letters only, and briefly."},
+                {"role": "user", "content": "name three colors"}]
+    first = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and three fruits"}]
+    second = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 48 and cached < second.usage.prompt_tokens
+    ids = gen.encode_chat(messages)
+    expected = gen.generate([ids], SamplingParams(0.0), 24, speculation=gen.speculation("none"))[0]
+    assert second.choices[0].message.content == expected.text
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    saved = [line for line in text.splitlines() if line.startswith("specdec_prefix_cache_saved_tokens ")]
+    assert float(saved[0].split()[1]) >= cached
+    assert "specdec_prefix_cache_hit_rate" in text
+
+
 def test_stream_ends_with_done(server):
     with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
                       json={"model": MODEL, "prompt": "xyz", "max_tokens": 8, "stream": True, "temperature": 0}) as r:

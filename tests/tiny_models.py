@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from functools import lru_cache
+
 import torch
 import transformers
 
@@ -10,6 +13,16 @@ from specdec.runtime.model import Transformer
 
 
 def hf_tiny(kind: str, vocab: int = 97, seed: int = 0, layers: int = 3, hidden: int = 64):
+    """A tiny Hugging Face model, built once per worker and argument set, shared by every test as
+    a copy of its own (tests perturb weights in place). The global torch RNG is left as a fresh
+    build leaves it, so tests that draw from it after this call see the same numbers."""
+    model, rng = _build(kind, vocab, seed, layers, hidden)
+    torch.set_rng_state(rng)
+    return copy.deepcopy(model)
+
+
+@lru_cache(maxsize=None)
+def _build(kind: str, vocab: int, seed: int, layers: int, hidden: int):
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,
@@ -39,7 +52,7 @@ def hf_tiny(kind: str, vocab: int = 97, seed: int = 0, layers: int = 3, hidden: 
     with torch.no_grad():  # larger random weights give sharper, more interesting distributions
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return model, torch.get_rng_state()
 
 
 def ours(hf_model, dtype: str = "float32", act_absmax=None) -> Transformer:

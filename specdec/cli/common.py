@@ -43,6 +43,17 @@ def int_at_least(low: int):
 
     return parse
 
+def megabytes(text: str) -> float:
+    """A memory size in MiB, >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
+    if not value >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def seed_value(text: str) -> int:
     value = int_at_least(0)(text)
     if value > MAX_SEED:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdec.cli.common import UsageError, add_model_options, int_at_least, port, speculation_of
+from specdec.cli.common import UsageError, add_model_options, int_at_least, megabytes, port, speculation_of
+from specdec.prefix_cache import PREFIX_CACHE_MB
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +31,11 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="requests waiting for a batch row; beyond it new requests get 429 (default: %(default)s)")
     p.add_argument("--max-model-len", type=int_at_least(2), default=2048,
                    help="prompt + max_tokens per request; sizes each row's KV cache (default: %(default)s)")
+    p.add_argument("--prefix-cache-mb", type=megabytes, default=PREFIX_CACHE_MB,
+                   help="memory (MiB) for the KV of earlier prompts and answers: a request that starts with "
+                   "tokens an earlier one prefilled or generated (a shared system prompt, a conversation's "
+                   "history) reuses their KV instead of recomputing it, with identical output; least recently "
+                   "used blocks go first; 0 turns it off (default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
     p.set_defaults(func=run)
 
@@ -39,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     spec = speculation_of(args)
     config = ServeConfig(speculation=spec, max_batch=args.max_batch, max_queue=args.max_queue,
-                         max_model_len=args.max_model_len, seed=args.seed, max_request_bytes=args.max_request_bytes)
+                         max_model_len=args.max_model_len, seed=args.seed, max_request_bytes=args.max_request_bytes,
+                         prefix_cache_mb=args.prefix_cache_mb)
     gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
     print(f"specdec: {spec.describe()}", file=sys.stderr)
     limit = gen.target.model.cfg.max_position_embeddings

@@ -81,6 +81,24 @@ class KVCache:
         k[rows, :, slots] = k_new.transpose(1, 2)  # index result is [B, T, H, D]
         v[rows, :, slots] = v_new.transpose(1, 2)
 
+    def read(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of ``row``'s K and V at slots ``start .. end``, ``[L, H, end - start, D]`` each
+        (a prefix cache's block: :mod:`specdec.prefix_cache`)."""
+        if not 0 <= start <= end <= int(self.lengths[row]):
+            raise ValueError(f"read({row}, {start}, {end}): row {row} holds {int(self.lengths[row])} slots")
+        return self._k[:, row, :, start:end].clone(), self._v[:, row, :, start:end].clone()
+
+    def place(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append K/V ``[L, H, n, D]`` computed elsewhere (a cached prefix) to ``row``."""
+        start, n = int(self.lengths[row]), k.shape[2]
+        if start + n > self.capacity:
+            raise ValueError(f"KV cache overflow: row {row} would reach {start + n} slots, capacity is {self.capacity}")
+        self._k[:, row, :, start : start + n] = k
+        self._v[:, row, :, start : start + n] = v
+        lengths = self.lengths.clone()
+        lengths[row] += n
+        self.lengths = lengths
+
     def advance(self, counts: torch.Tensor | int) -> None:
         """Mark ``counts`` (per row or for all rows) more slots as written."""
         self.lengths = self.lengths + counts

@@ -457,6 +457,8 @@ def _sum_usage(usages: list[dict | None], prompt: int) -> dict:
     usages = [u for u in usages if u]
     completion = sum(u["completion_tokens"] for u in usages)
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if usages:  # OpenAI's field: prompt tokens served from the prefix cache (the first choice's)
+        out["prompt_tokens_details"] = {"cached_tokens": usages[0]["cached_tokens"]}
     if usages:
         out["speculative"] = usages[0]["speculative"] if len(usages) == 1 else [u["speculative"] for u in usages]
     return out

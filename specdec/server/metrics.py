@@ -26,5 +26,16 @@ class ServerMetrics:
                                      "verification, cache)", ["phase"], registry=r)
         self.reached = Counter("specdec_draft_reached", "Verifications that reached each draft position", ["position"], registry=r)
         self.accepted = Counter("specdec_draft_accepted", "Draft tokens accepted at each position", ["position"], registry=r)
+        self.prefix_hit_rate = Gauge("specdec_prefix_cache_hit_rate", "Share of prompt tokens whose KV came from the "
+                                     "prefix cache", registry=r)
+        self.prefill_saved = Gauge("specdec_prefix_cache_saved_tokens", "Prompt tokens not prefilled thanks to the "
+                                   "prefix cache (total)", registry=r)
+        self.prefix_bytes = Gauge("specdec_prefix_cache_bytes", "Memory held by the prefix cache", registry=r)
+
+    def observe_prefix(self, prefix) -> None:
+        """The prefix cache's totals (:class:`specdec.prefix_cache.PrefixStats`) as gauges."""
+        self.prefix_hit_rate.set(prefix.stats.hit_rate)
+        self.prefill_saved.set(prefix.stats.hit_tokens)
+        self.prefix_bytes.set(prefix.bytes)
 
 

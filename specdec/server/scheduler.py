@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from specdec.api import TextGenerator
 from specdec.engine import Request, RowState
+from specdec.prefix_cache import PREFIX_CACHE_MB, PrefixCache
 from specdec.server.metrics import ServerMetrics
 from specdec.session import Session, TextRow, TextUpdate
 from specdec.speculation import SpeculationConfig
@@ -35,7 +36,8 @@ class ServeConfig:
     (default: plain decoding). ``max_batch``: rows decoded together;
     ``max_queue``: requests waiting for a row before new ones get 429; ``max_model_len``: prompt
     + max_tokens per request (sizes each row's KV cache); ``max_request_bytes``: the largest
-    request body (413 beyond it)."""
+    request body (413 beyond it); ``prefix_cache_mb``: memory for the KV of earlier prompts and
+    answers that later requests start with (:mod:`specdec.prefix_cache`; 0: none)."""
 
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig.plain)
     max_batch: int = 16
@@ -43,11 +45,14 @@ class ServeConfig:
     max_model_len: int = 2048
     seed: int = 0
     max_request_bytes: int = 4 * 1024 * 1024
+    prefix_cache_mb: float = PREFIX_CACHE_MB
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "max_model_len", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
 
 
 class QueueFull(Exception):
@@ -74,6 +79,7 @@ class Scheduler:
 
     def __init__(self, gen: TextGenerator, config: ServeConfig, metrics: ServerMetrics) -> None:
         self.gen, self.config, self.metrics = gen, config, metrics
+        self.prefix = PrefixCache.of_megabytes(config.prefix_cache_mb)  # outlives engines (a failed step replaces one)
         self.session = self._new_session()
         self._abort: str | None = None  # set by abort_all: the message every job in flight ends with
         self._lock = threading.Lock()
@@ -89,7 +95,8 @@ class Scheduler:
 
     def _new_session(self) -> Session:
         config = self.config
-        engine = self.gen.engine(config.speculation, config.max_model_len, seed=config.seed, max_batch=config.max_batch)
+        engine = self.gen.engine(config.speculation, config.max_model_len, seed=config.seed, max_batch=config.max_batch,
+                                 prefix_cache=self.prefix)
         return Session(engine, self.gen.target.tokenizer)
 
     @property
@@ -236,6 +243,8 @@ class Scheduler:
             self._finish(job, row, update.text, now)
         m.calls_per_token.set(self._calls_total / max(1, self._tokens))
         m.queue.set(len(self.engine.waiting))
+        if self.prefix is not None:
+            m.observe_prefix(self.prefix)
 
     def _finish(self, job: Job, row: RowState, text: str, now: float) -> None:
         """A finished row's last event (its held-back text, finish reason and usage) and metrics."""
@@ -259,6 +268,7 @@ class Scheduler:
         acc = metrics.acceptance
         n = len(row.token_ids)
         return {"prompt_tokens": len(row.request.prompt), "completion_tokens": n,
+                "cached_tokens": metrics.cached_prompt_tokens,
                 "speculative": {  # an extension: this choice's own speculation, in the three metric classes
                     "accepted_per_call": acc.accepted / acc.calls if acc.calls else 0.0,
                     "acceptance_rate": acc.accepted / acc.drafted if acc.drafted else 0.0,

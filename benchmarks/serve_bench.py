@@ -42,14 +42,14 @@ from specdec.models import registry
 from specdec.runtime.linear import DEFAULT_DTYPE
 
 
-def start_server(args, method: str) -> tuple[subprocess.Popen, str]:
+def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
     cmd = [sys.executable, "-m", "specdec", "serve", "--target", args.target, "--dtype", args.dtype, "--port", str(port),
            *([] if method == "default" else ["--proposer", method]), "--max-batch", str(args.max_batch), "--max-model-len", "1024",
-           "--served-model-name", "bench"]
+           "--served-model-name", "bench", *extra]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600

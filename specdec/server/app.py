@@ -117,6 +117,24 @@ def _text(value: str, param: str) -> str:
     return value
 
 
+class _ReplicaHeader:
+    """ASGI middleware: every HTTP response names the replica that computed it."""
+
+    def __init__(self, app, replica: str) -> None:
+        self.app, self.header = app, (b"x-specdec-replica", replica.encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
 class _BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes gets 413 before anything parses it
     (a 50 MB body used to stall every other request while it was read and parsed). The body is
@@ -170,9 +188,11 @@ async def _disconnected(request: HTTPRequest) -> None:
 
 
 def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None = None,
-               engine_thread: bool = True) -> FastAPI:
+               engine_thread: bool = True, replica: str | None = None) -> FastAPI:
     """The FastAPI application. ``engine_thread``: the scheduler runs in a thread that starts and
-    stops with the app; False: the caller runs ``app.state.scheduler.run()`` itself (:func:`serve`)."""
+    stops with the app; False: the caller runs ``app.state.scheduler.run()`` itself (:func:`serve`).
+    ``replica``: this server's name among replicas, sent in every response's ``x-specdec-replica``
+    header (:mod:`specdec.server.replicas`)."""
     api = OpenAIServer(gen, config, model_name or gen.target.name)
 
     @asynccontextmanager
@@ -185,6 +205,8 @@ def create_app(gen: TextGenerator, config: ServeConfig, model_name: str | None =
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
+    if replica is not None:
+        app.add_middleware(_ReplicaHeader, replica=replica)
     app.state.scheduler = api.scheduler
     _add_error_handlers(app, api.metrics)
     app.get("/health")(api.health)

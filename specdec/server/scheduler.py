@@ -118,6 +118,11 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def stopped(self) -> bool:
+        """The worker thread (:meth:`start`) has ended (stopped, or died)."""
+        return self._stopping or (self._thread is not None and not self._thread.is_alive())
+
     def waiting(self) -> int:
         return len(self._inbox) + len(self.engine.waiting)
 

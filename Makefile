@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow models venv fuzz soak
+.PHONY: demo test test-slow test-ray models venv fuzz soak
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ test: $(BIN)/.installed
 # Slow tier on the real models (fp32 parity with transformers, speculative == plain at int8).
 test-slow: models
 	$(BIN)/python -m pytest -q -m slow; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The server as Ray Serve replicas (`specdec serve --replicas`): a local Ray instance, 2 replicas
+# of a tiny model; ~1.5 min. Installs the optional extra '.[ray]' first.
+test-ray: $(BIN)/.installed
+	$(BIN)/pip install --quiet -e '.[ray]'
+	$(BIN)/python -m pytest -q -m ray; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The server's API fuzzing, long profile (the fast one runs in `make test`): 2,000 bodies per endpoint.

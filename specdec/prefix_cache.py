@@ -109,10 +109,13 @@ class PrefixCache:
             chain.append(entry)
         for entry in reversed(chain):  # the first blocks end up the most recent
             self.entries.move_to_end(entry.key)
-        self.stats.lookups += 1
-        self.stats.prompt_tokens += len(tokens)
-        self.stats.hit_tokens += len(chain) * self.block
         return chain
+
+    def record(self, prompt_tokens: int, reused: int) -> None:
+        """Count one request's lookup: its prompt's length and the tokens it took from here."""
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.hit_tokens += reused
 
     def load(self, cache: KVCache, row: int, chain: list[_Entry]) -> None:
         """Write ``chain``'s K/V into the empty ``row`` of ``cache`` (its first slots)."""

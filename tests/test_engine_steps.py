@@ -68,3 +68,17 @@ def test_an_empty_tree_keeps_the_root_and_its_feature():
     last, hidden = block.commit_kv(cache, before, result, torch.arange(2.0).view(2, 1, 1))  # [B, N+1, E]
     assert cache.lengths.tolist() == [5, 7] and last.tolist() == [7, 8]
     assert hidden.tolist() == [[[0.0]], [[1.0]]]
+
+
+def test_prefill_groups_bound_the_padding():
+    from specdec.engine import PADDING_WASTE, prefill_groups
+
+    assert prefill_groups([7, 7, 7, 7]) == [(0, 4)]
+    assert prefill_groups([500] + [30] * 15) == [(0, 1), (1, 16)]
+    assert prefill_groups([10]) == [(0, 1)]
+    lengths = [400, 390, 300, 120, 100, 99, 20, 3, 1]
+    groups = prefill_groups(lengths)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+    assert all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))  # contiguous, covering every row
+    for a, b in groups:
+        assert (b - a) * lengths[a] <= PADDING_WASTE * sum(lengths[a:b]) or b - a == 1

@@ -36,6 +36,23 @@ def add(sub: argparse._SubParsersAction) -> None:
                    "tokens an earlier one prefilled or generated (a shared system prompt, a conversation's "
                    "history) reuses their KV instead of recomputing it, with identical output; least recently "
                    "used blocks go first; 0 turns it off (default: %(default)s)")
+    ray = p.add_argument_group("replicas (Ray Serve; pip install -e '.[ray]')", "Serve the same app as several "
+                               "replicas, each one engine with continuous batching; any replica gives the same "
+                               "answer (greedy, or with a seed). Each response names its replica (header "
+                               "x-specdec-replica); /cluster/health and /cluster/metrics cover them all.")
+    ray.add_argument("--replicas", type=int_at_least(1), default=None,
+                     help="run N replicas under Ray Serve (without this option: one process, no Ray)")
+    ray.add_argument("--min-replicas", type=int_at_least(0), default=None,
+                     help="autoscale between --min-replicas and --max-replicas (with --replicas as the start)")
+    ray.add_argument("--max-replicas", type=int_at_least(1), default=None, help="see --min-replicas")
+    ray.add_argument("--target-ongoing-requests", type=float, default=8.0,
+                     help="autoscaling aims at this many requests in flight per replica (default: %(default)s)")
+    ray.add_argument("--threads-per-replica", type=int_at_least(1), default=None,
+                     help="torch threads (and Ray CPUs) per replica, so that replicas on one machine do not "
+                     "oversubscribe its cores (default: cores / replicas)")
+    ray.add_argument("--ray-address", default=None,
+                     help="join a running Ray cluster (`ray start --head` prints its address; default: start a "
+                     "local one for this command)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
     p.set_defaults(func=run)
 
@@ -44,13 +61,45 @@ def run(args: argparse.Namespace) -> int:
     from specdec.server import ServeConfig, serve
 
     spec = speculation_of(args)
+    replicated = args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None
+    if not replicated:
+        for flag, value in (("--threads-per-replica", args.threads_per_replica), ("--ray-address", args.ray_address)):
+            if value is not None:
+                raise UsageError(f"{flag} has no effect without --replicas")
     config = ServeConfig(speculation=spec, max_batch=args.max_batch, max_queue=args.max_queue,
                          max_model_len=args.max_model_len, seed=args.seed, max_request_bytes=args.max_request_bytes,
                          prefix_cache_mb=args.prefix_cache_mb)
+    if replicated:
+        return _run_replicas(args, spec, config)
     gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
     print(f"specdec: {spec.describe()}", file=sys.stderr)
     limit = gen.target.model.cfg.max_position_embeddings
     if args.max_model_len > limit:
         raise UsageError(f"--max-model-len {args.max_model_len} exceeds {gen.target.name}'s context length {limit}")
     serve(gen, config, args.host, args.port, args.served_model_name)
+    return 0
+
+
+def _run_replicas(args: argparse.Namespace, spec, config) -> int:
+    import os
+
+    from specdec.server.replicas import RayMissing, ReplicaSpec, Scaling, require_ray, serve_replicas
+
+    try:
+        require_ray()
+    except RayMissing as exc:
+        raise UsageError(f"--replicas: {exc}") from None
+    if (args.min_replicas is None) != (args.max_replicas is None):
+        raise UsageError("--min-replicas and --max-replicas go together (autoscaling)")
+    if args.min_replicas is not None and args.min_replicas > args.max_replicas:
+        raise UsageError(f"--min-replicas ({args.min_replicas}) must be <= --max-replicas ({args.max_replicas})")
+    if args.target_ongoing_requests <= 0:
+        raise UsageError(f"--target-ongoing-requests must be > 0, got {args.target_ongoing_requests}")
+    replicas = args.replicas if args.replicas is not None else args.min_replicas or 1
+    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // replicas)
+    scaling = Scaling(replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests)
+    replica = ReplicaSpec(args.target, args.draft, args.dtype, args.draft_dtype, args.head or "auto", config,
+                          args.served_model_name, threads)
+    print(f"specdec: {spec.describe()}; {replicas} replica(s) under Ray Serve, {threads} thread(s) each", file=sys.stderr)
+    serve_replicas(replica, scaling, args.host, args.port, args.ray_address)
     return 0

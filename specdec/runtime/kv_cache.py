@@ -148,6 +148,15 @@ class KVCache:
         view.lengths = torch.zeros(n, dtype=torch.long)
         return view
 
+    def view(self, start: int, end: int) -> "KVCache":
+        """A cache over rows ``start .. end`` of this one, sharing its storage (a forward call on
+        it writes them in place; then :meth:`set_lengths` here)."""
+        view = KVCache.__new__(KVCache)
+        view.capacity = self.capacity
+        view._k, view._v = self._k[:, start:end], self._v[:, start:end]
+        view.lengths = self.lengths[start:end].clone()
+        return view
+
     def set_lengths(self, start: int, lengths: torch.Tensor) -> None:
         """Rows ``start ..`` now hold ``lengths`` slots (after filling a view of them)."""
         new = self.lengths.clone()

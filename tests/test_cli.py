@@ -76,6 +76,25 @@ def test_bad_options_fail_in_one_line_before_loading(capsys, extra, message):
 
 
 @pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--replicas", "2"], "--replicas: replicas need Ray Serve, which is not installed: pip install -e '.[ray]'"),
+        (["--threads-per-replica", "2"], "--threads-per-replica has no effect without --replicas"),
+        (["--ray-address", "10.0.0.1:6379"], "--ray-address has no effect without --replicas"),
+        (["--prefix-cache-mb", "-1"], "must be >= 0"),
+    ],
+)
+def test_serve_options_fail_in_one_line_before_loading(capsys, monkeypatch, extra, message):
+    """Without Ray installed (hidden here), `serve --replicas` says how to get it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    code, out, err = _run(capsys, "serve", "--target", MISSING, *extra)
+    assert code == 2 and out == ""
+    assert message in (err if extra[0] == "--prefix-cache-mb" else _one_line(err))  # (argparse: usage, then the error)
+
+
+@pytest.mark.parametrize(
     "extra",
     [["--seed", str(2**64 - 1)], ["--seed", "-1"], ["--max-new-tokens", "0"], ["--k", "-1"], ["--k", "x"],
      ["--exit-layer", "0"], ["--k-max", "0"]],

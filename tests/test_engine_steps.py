@@ -82,3 +82,20 @@ def test_prefill_groups_bound_the_padding():
     assert all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))  # contiguous, covering every row
     for a, b in groups:
         assert (b - a) * lengths[a] <= PADDING_WASTE * sum(lengths[a:b]) or b - a == 1
+
+
+def test_retain_keeps_the_rows_asked_for_in_order_whichever_way_it_copies():
+    """Few rows moving (a per-row copy of the written slots), many rows (one gather), and a new
+    order (a gather): the kept rows' written slots equal the originals'."""
+    for order in ([0, 2, 5], list(range(0, 60, 2)), [3, 1, 0], []):
+        cache = KVCache(2, 64, 1, 2, 8, torch.float32)
+        g = torch.Generator().manual_seed(0)
+        cache._k.copy_(torch.randn(cache._k.shape, generator=g))
+        cache._v.copy_(torch.randn(cache._v.shape, generator=g))
+        cache.advance(torch.randint(1, 9, (64,), generator=g))
+        k, v, lengths = cache.k.clone(), cache.v.clone(), cache.lengths.clone()
+        cache.retain(order)
+        assert cache.lengths.tolist() == lengths[order].tolist()
+        for j, s in enumerate(order):
+            n = int(lengths[s])
+            assert torch.equal(cache.k[:, j, :, :n], k[:, s, :, :n]) and torch.equal(cache.v[:, j, :, :n], v[:, s, :, :n])

@@ -169,14 +169,17 @@ class KVCache:
         goes to a lower index and only its written slots are copied, in ascending order: a row is
         read before any write reaches its index. Otherwise the kept rows are gathered."""
         n = len(order)
-        if all(a < b for a, b in zip(order, order[1:])):
+        increasing = all(a < b for a, b in zip(order, order[1:]))
+        moved = sum(s != j for j, s in enumerate(order)) if increasing else n
+        if increasing and moved <= 16:  # a few rows move (the server): each one's written slots
             for j, s in enumerate(order):
                 if s != j:
                     used = int(self.lengths[s])
                     self._k[:, j, :, :used] = self._k[:, s, :, :used]
                     self._v[:, j, :, :used] = self._v[:, s, :, :used]
-        else:
+        elif moved:  # many rows (a large batch finishing): one gather of the written slots
             index = torch.as_tensor(order, dtype=torch.long)
-            self._k[:, :n] = self._k[:, index]
-            self._v[:, :n] = self._v[:, index]
+            used = int(self.lengths[index].max()) if n else 0
+            self._k[:, :n, :, :used] = self._k[:, index, :, :used]
+            self._v[:, :n, :, :used] = self._v[:, index, :, :used]
         self.lengths = self.lengths[torch.as_tensor(order, dtype=torch.long)].clone()

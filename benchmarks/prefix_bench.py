@@ -30,7 +30,7 @@ import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_bench import engine_counters, start_server  # noqa: E402
+from serve_bench import engine_counters, finish, start_server, stop_servers  # noqa: E402
 
 from specdec.bench.jobs import load_workloads  # noqa: E402
 from specdec.models import registry  # noqa: E402
@@ -166,12 +166,8 @@ def main() -> None:
                 f.write(json.dumps(record) + "\n")
             runs.append(record)
     finally:
-        for server, _ in servers.values():
-            server.terminate()
-            server.wait(60)
-    text = report(runs)
-    (args.out / "report.md").write_text(text + "\n")
-    print(text)
+        stop_servers(servers)
+    finish(args.out, report(runs))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_bench import start_server  # noqa: E402
+from serve_bench import finish, start_server, stop_servers  # noqa: E402
 
 from specdec.bench.jobs import load_workloads  # noqa: E402
 from specdec.models import registry  # noqa: E402
@@ -83,9 +83,7 @@ def main() -> None:
             with (args.out / "runs.jsonl").open("a") as f:
                 f.write(json.dumps(runs[-1]) + "\n")
     finally:
-        for server, _ in servers.values():
-            server.terminate()
-            server.wait(120)
+        stop_servers(servers)
     lines = ["| clients | server | throughput tok/s (median of rounds) | vs 1 process (same round) | median latency s | "
              "replicas that answered | answers identical to 1 process |", "|---|---|---|---|---|---|---|"]
     by = {(r["round"], r["config"], r["clients"]): r for r in runs}
@@ -98,9 +96,7 @@ def main() -> None:
                          f"{statistics.median(r['median_latency_s'] for r in mine):.1f} | "
                          f"{max(r['replicas_seen'] for r in mine)} | "
                          f"{'yes' if all(a['texts'] == b['texts'] for a, b in zip(mine, ref)) else 'NO'} |")
-    text = "\n".join(lines)
-    (args.out / "report.md").write_text(text + "\n")
-    print(text)
+    finish(args.out, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,19 @@ def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.P
         time.sleep(0.5)
 
 
+def stop_servers(servers: dict) -> None:
+    """Terminate the ``{name: (process, url)}`` servers of :func:`start_server` and wait for them."""
+    for server, _ in servers.values():
+        server.terminate()
+        server.wait(120)
+
+
+def finish(out: Path, text: str) -> None:
+    """Write a bench's report table to ``out/report.md`` and print it."""
+    (out / "report.md").write_text(text + "\n")
+    print(text)
+
+
 def engine_counters(url: str) -> dict[str, float]:
     """The engine's time by phase and its target calls so far, from the server's Prometheus metrics."""
     out = {}
@@ -178,12 +191,8 @@ def main() -> None:
                 f.write(json.dumps(record) + "\n")
             runs.append(record)
     finally:
-        for server, _ in servers.values():
-            server.terminate()
-            server.wait(60)
-    text = report(runs)
-    (args.out / "report.md").write_text(text + "\n")
-    print(text)
+        stop_servers(servers)
+    finish(args.out, report(runs))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import torch
 
@@ -111,8 +111,9 @@ class RowState:
     pending: list[int] = field(default_factory=list)  # committed ids the proposer has not seen yet
     done: bool = False
     added_at: float = field(default_factory=time.perf_counter)
-    # the target's features of the committed positions, kept for the prefix cache when the
-    # proposer reads features (so that a later request reusing this row's KV has them too)
+    # [n_i, E] pieces: the target's last-block features of every position whose KV the row
+    # committed, in order (prompt at prefill, then each step's fed token and accepted drafts).
+    # Kept only when the engine records features (Engine.keep_features).
     features: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -123,16 +124,6 @@ class RowState:
     def finish_reason(self) -> str | None:
         """None while running, else "length", "eos", "stop", "cancelled" or "error"."""
         return self.result.finish_reason if self.done else None
-
-
-class FeatureTap(Protocol):
-    """Receives the target's last-block features of every position whose KV a row commits, in
-    order: the prompt's at its prefill, then each step's fed token and accepted drafts. (Head
-    training records the features of the target's own answers with one: they come free with
-    generating them, :func:`specdec.training.features.generate_with_features`.)"""
-
-    def take(self, row: "RowState", hidden: torch.Tensor) -> None:  # hidden [n, E]
-        ...
 
 
 class PhaseTimer:
@@ -183,7 +174,7 @@ class Engine:
 
     def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
                  k_max: int = K_MAX, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
-                 max_batch: int | None = None, tap: FeatureTap | None = None,
+                 max_batch: int | None = None, record_features: bool = False,
                  prefix_cache: PrefixCache | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
@@ -205,10 +196,12 @@ class Engine:
         self.k_max, self.capacity, self.max_batch = k_max, capacity, max_batch
         self.eos_token_ids = eos_token_ids
         self.context_len = min(target.cfg.max_position_embeddings, capacity)
-        self.tap, self.prefix = tap, prefix_cache
-        # a proposer that reads features needs them for a reused prefix too: keep each row's
-        self.keep_features = prefix_cache is not None and proposer is not None and proposer.wants_target_hidden
-        self.want_hidden = tap is not None or (proposer is not None and proposer.wants_target_hidden)
+        self.prefix = prefix_cache
+        reads_features = proposer is not None and proposer.wants_target_hidden
+        # rows keep their features when asked, or for the prefix cache when the proposer reads
+        # them (a later request reusing a row's KV needs its features too)
+        self.keep_features = record_features or (prefix_cache is not None and reads_features)
+        self.want_hidden = self.keep_features or reads_features
         self.g_verify = torch.Generator().manual_seed(seed)
         self.g_draft = torch.Generator().manual_seed(seed + 1)
         self.cache = target.new_cache(0, capacity)
@@ -325,9 +318,6 @@ class Engine:
             row.result.metrics.timings.ttft = now - row.added_at
             if not row.done:  # (a row that failed in verification commits nothing)
                 self._commit(row, [token])
-        if self.tap is not None:
-            for b, row in enumerate(joining):
-                self.tap.take(row, hidden[b, : len(row.request.prompt)])
         return joining
 
     def _prefill(self, joining: list[RowState]) -> tuple[list[RowState], torch.Tensor, torch.Tensor | None, int]:
@@ -512,8 +502,8 @@ class Engine:
 
     def _record(self, block: Block, result, hidden: torch.Tensor | None) -> None:
         """Per-row acceptance bookkeeping (one tolist per quantity, no per-row tensor ops), the
-        commit of each row's tokens, and the tap's features of the positions whose KV was kept
-        (``hidden`` ``[B, k+1, E]``: the fed token's, then the accepted path's)."""
+        commit of each row's tokens, and (when kept) the features of the positions whose KV was
+        kept (``hidden`` ``[B, k+1, E]``: the fed token's, then the accepted path's)."""
         depth, accepted, scored = block.depth, result.num_accepted.tolist(), block.scored
         committed = result.tokens.tolist()
         for i, row in enumerate(self.rows):
@@ -523,8 +513,6 @@ class Engine:
                 continue
             metrics.acceptance.record(depth[i], accepted[i], scored[i])
             self.metrics.acceptance.record(depth[i], accepted[i], scored[i])
-            if self.tap is not None:
-                self.tap.take(row, hidden[i, : accepted[i] + 1])
             if self.keep_features:
                 row.features.append(hidden[i, : accepted[i] + 1])
             self._commit(row, committed[i][: accepted[i] + 1])
@@ -550,14 +538,13 @@ def generate(
     seed: int = 0,
     seeds: list[int | None] | None = None,
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
-    tap: FeatureTap | None = None,
     verifier: Callable[..., ChainVerification] = verify_chain_unchecked,
 ) -> list[RowResult]:
     """Generate up to ``max_new_tokens`` per prompt, all rows joining at once; exact target
     sampling whatever the proposer. A thin loop over :class:`Engine`, token ids in and out (text,
     stop strings and streaming: :class:`specdec.session.Session`).
 
-    ``k``: draft tokens per step, or ``"auto"``. ``tap``: see :class:`FeatureTap`. ``seed``: the engine's streams; ``seeds`` (one
+    ``k``: draft tokens per step, or ``"auto"``. ``seed``: the engine's streams; ``seeds`` (one
     per prompt, None for some): reproducible sampling for those rows.
     """
     batch = len(prompts)
@@ -568,7 +555,7 @@ def generate(
     row_params = params if isinstance(params, list) else [params] * batch
     longest = max(len(p) for p in prompts)
     engine = Engine(target, proposer, capacity=kv_capacity(longest + max_new_tokens, k, k_max), k=k,
-                    k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, tap=tap, verifier=verifier)
+                    k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, verifier=verifier)
     rows = [engine.add(Request(p, row_params[i], max_new_tokens, None if seeds is None else seeds[i]))
             for i, p in enumerate(prompts)]
     for _ in steps(engine, rows):

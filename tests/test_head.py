@@ -187,7 +187,7 @@ def test_trained_head_trees_are_accepted_and_token_identical(trained, kind):
 
 
 def test_own_answers_features_equal_a_prefill_of_the_whole_answer(trained):
-    """generate_with_features (the engine's FeatureTap, no proposer): every position's feature
+    """generate_with_features (the engine recording features, no proposer): every position's feature
     == one prefill over prompt + answer, and the answer is the target's own."""
     _, int8, _, _, _ = trained
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [9, 9, 9, 9], [4, 5, 6]]
@@ -199,23 +199,22 @@ def test_own_answers_features_equal_a_prefill_of_the_whole_answer(trained):
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
-def test_feature_tap_sees_each_committed_position_once_while_speculating(trained, kind):
-    """A tap on a speculating engine receives the features of exactly the kept positions, in
+def test_recorded_features_are_each_committed_position_once_while_speculating(trained, kind):
+    """A speculating engine that records features keeps those of exactly the kept positions, in
     order (a chain's accepted prefix; a tree's root and accepted path), whatever was rejected."""
     from specdec.engine import Engine, Request, kv_capacity, steps
 
     _, int8, net, _, _ = trained
     head = _runtime(net, int8, "int8")
     proposer = _head_proposer(net, int8) if kind == "chain" else HeadTreeProposer(head, 128, width=3, depth=4)
-    recorder = features.FeatureRecorder()
-    engine = Engine(int8, proposer, capacity=kv_capacity(60, 6, 9), k=6, tap=recorder)
+    engine = Engine(int8, proposer, capacity=kv_capacity(60, 6, 9), k=6, record_features=True)
     rows = [engine.add(Request(p, GREEDY, 40)) for p in ([1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6])]
     for _ in steps(engine, rows):
         pass
     assert engine.metrics.acceptance.accepted > 0
     for row in rows:
         ids = row.request.prompt + row.token_ids[:-1]  # the last token is never fed
-        torch.testing.assert_close(recorder.of(row), features.prefill_features(int8, ids), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.cat(row.features), features.prefill_features(int8, ids), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])

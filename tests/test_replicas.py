@@ -25,11 +25,10 @@ ray = pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip ins
 from specdec.server import ServeConfig  # noqa: E402
 from specdec.server.replicas import APP, DEPLOYMENT, ReplicaSpec, Scaling, deploy, merge_metrics  # noqa: E402
 from specdec.speculation import SpeculationConfig  # noqa: E402
-from tiny_models import hf_tiny, save_hf_dir  # noqa: E402
+from tiny_models import hf_tiny, save_chat_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
 def _free_port() -> int:
@@ -42,11 +41,7 @@ def _free_port() -> int:
 def cluster(tmp_path_factory):
     from ray import serve
 
-    directory = save_hf_dir(hf_tiny("llama", seed=0), tmp_path_factory.mktemp("model"))
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
+    directory = save_chat_model_dir(hf_tiny("llama", seed=0), tmp_path_factory.mktemp("model"))
     port = _free_port()
     speculation = SpeculationConfig.resolve("suffix", draft=False, head=False)
     spec = ReplicaSpec(str(directory), dtype="int8", head=None, model_name=MODEL, threads=1,

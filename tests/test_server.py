@@ -25,10 +25,9 @@ import uvicorn
 from specdec.api import TextGenerator
 from specdec.server import ServeConfig, create_app
 from specdec.speculation import SpeculationConfig
-from tiny_models import hf_tiny, save_hf_dir
+from tiny_models import hf_tiny, save_chat_model_dir
 
 MODEL = "tiny"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
 class Server:
@@ -58,11 +57,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory):
-    directory = save_hf_dir(hf_tiny("llama", seed=0), tmp_path_factory.mktemp("model"))
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
+    directory = save_chat_model_dir(hf_tiny("llama", seed=0), tmp_path_factory.mktemp("model"))
     return TextGenerator.load(str(directory), dtype="int8")
 
 

@@ -81,6 +81,21 @@ def save_hf_dir(hf_model, directory):
     return directory
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def save_chat_model_dir(hf_model, directory):
+    """:func:`save_hf_dir` with a minimal chat template (for the server's chat endpoint)."""
+    import json
+
+    save_hf_dir(hf_model, directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
 def exact_joint(target, prompt: list[int], params, vocab: int):
     """p(t1, t2, t3 | prompt) ``[V, V, V]`` by enumerating the target's processed conditionals
     (for chi-square tests of the first three generated tokens on a tiny vocabulary)."""

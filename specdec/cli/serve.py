@@ -89,15 +89,12 @@ def _run_replicas(args: argparse.Namespace, spec, config) -> int:
         require_ray()
     except RayMissing as exc:
         raise UsageError(f"--replicas: {exc}") from None
-    if (args.min_replicas is None) != (args.max_replicas is None):
-        raise UsageError("--min-replicas and --max-replicas go together (autoscaling)")
-    if args.min_replicas is not None and args.min_replicas > args.max_replicas:
-        raise UsageError(f"--min-replicas ({args.min_replicas}) must be <= --max-replicas ({args.max_replicas})")
-    if args.target_ongoing_requests <= 0:
-        raise UsageError(f"--target-ongoing-requests must be > 0, got {args.target_ongoing_requests}")
     replicas = args.replicas if args.replicas is not None else args.min_replicas or 1
+    try:  # (the library's checks; its messages name the parameters: min_replicas is --min-replicas)
+        scaling = Scaling(replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // replicas)
-    scaling = Scaling(replicas, args.min_replicas, args.max_replicas, args.target_ongoing_requests)
     replica = ReplicaSpec(args.target, args.draft, args.dtype, args.draft_dtype, args.head or "auto", config,
                           args.served_model_name, threads)
     print(f"specdec: {spec.describe()}; {replicas} replica(s) under Ray Serve, {threads} thread(s) each", file=sys.stderr)

@@ -142,11 +142,7 @@ class KVCache:
             v[:, :start, :, :used] = self._v[:, :start, :, :used]
             self._k, self._v = k, v
         self.lengths = torch.cat([self.lengths, torch.zeros(n, dtype=torch.long)])
-        view = KVCache.__new__(KVCache)
-        view.capacity = self.capacity
-        view._k, view._v = self._k[:, start:end], self._v[:, start:end]
-        view.lengths = torch.zeros(n, dtype=torch.long)
-        return view
+        return self.view(start, end)
 
     def view(self, start: int, end: int) -> "KVCache":
         """A cache over rows ``start .. end`` of this one, sharing its storage (a forward call on

@@ -62,36 +62,21 @@ def load_shards(directory: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-class FeatureRecorder:
-    """A :class:`~specdec.engine.FeatureTap` keeping each row's features, in commit order."""
-
-    def __init__(self) -> None:
-        self.feats: dict[int, list[torch.Tensor]] = {}  # id(row) -> [n_i, E] pieces
-
-    def take(self, row, hidden: torch.Tensor) -> None:
-        self.feats.setdefault(id(row), []).append(hidden)
-
-    def of(self, row) -> torch.Tensor:
-        """``[n, E]`` every feature taken for ``row``."""
-        return torch.cat(self.feats[id(row)])
-
-
 def generate_with_features(target: Transformer, prompts: list[list[int]], params, max_new_tokens: int,
                            eos_token_ids, seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
     """The target's own answers to ``prompts`` with its features at every position of prompt and
     answer but the last (whose feature is never computed): ``[(ids, hidden [len(ids) - 1, E])]``."""
     from specdec.engine import Engine, Request, kv_capacity, steps
 
-    recorder = FeatureRecorder()
     engine = Engine(target, capacity=kv_capacity(max(map(len, prompts)) + max_new_tokens, 0, 0), k_max=0,
-                    eos_token_ids=eos_token_ids, seed=seed, tap=recorder)
+                    eos_token_ids=eos_token_ids, seed=seed, record_features=True)
     rows = [engine.add(Request(p, params, max_new_tokens)) for p in prompts]
     for _ in steps(engine, rows):
         pass
     out = []
     for prompt, row in zip(prompts, rows):
         ids = prompt + row.token_ids
-        hidden = recorder.of(row)  # [len(ids) - 1, E]: the last token is never fed, so has no feature
+        hidden = torch.cat(row.features)  # [len(ids) - 1, E]: the last token is never fed, so has no feature
         out.append((ids[: hidden.shape[0]], hidden))
     return out
 

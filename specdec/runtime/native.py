@@ -98,11 +98,15 @@ def build(stem: str, source: str, depends: tuple[str, ...] = (), flags: tuple[st
 
 def build_directory(stem: str, source: str, depends: tuple[str, ...], all_flags: tuple[str, ...]) -> Path:
     """Where a kernel is built: ``$SPECDEC_HOME/kernels/<stem>-<key>``, keyed by its sources,
-    flags, torch version and CPU."""
+    flags, torch version and CPU, and by the torch install it compiles against: the build file
+    names torch's include directory, so two environments (say a checkout's .venv and a linked
+    one) sharing a cache would otherwise rebuild each other's kernels at every switch."""
     from specdec import cache
 
     text = b"".join((KERNELS / name).read_bytes() for name in (source, *depends))
-    key = hashlib.sha256(text + " ".join(all_flags).encode() + torch.__version__.encode() + _cpu()).hexdigest()[:12]
+    torch_install = os.path.dirname(torch.__file__).encode()
+    key = hashlib.sha256(text + " ".join(all_flags).encode() + torch.__version__.encode() + torch_install
+                         + _cpu()).hexdigest()[:12]
     return cache.home() / "kernels" / f"{stem}-{key}"
 
 

@@ -164,7 +164,7 @@ class KVCache:
         ``order`` is increasing (rows that leave, the others keeping their order) each moved row
         goes to a lower index and only its written slots are copied, in ascending order: a row is
         read before any write reaches its index. Otherwise the kept rows are gathered."""
-        n = len(order)
+        n, index = len(order), torch.as_tensor(order, dtype=torch.long)
         increasing = all(a < b for a, b in zip(order, order[1:]))
         moved = sum(s != j for j, s in enumerate(order)) if increasing else n
         if increasing and moved <= 16:  # a few rows move (the server): each one's written slots
@@ -174,8 +174,7 @@ class KVCache:
                     self._k[:, j, :, :used] = self._k[:, s, :, :used]
                     self._v[:, j, :, :used] = self._v[:, s, :, :used]
         elif moved:  # many rows (a large batch finishing): one gather of the written slots
-            index = torch.as_tensor(order, dtype=torch.long)
-            used = int(self.lengths[index].max()) if n else 0
+            used = int(self.lengths[index].max())
             self._k[:, :n, :, :used] = self._k[:, index, :, :used]
             self._v[:, :n, :, :used] = self._v[:, index, :, :used]
-        self.lengths = self.lengths[torch.as_tensor(order, dtype=torch.long)].clone()
+        self.lengths = self.lengths[index].clone()

@@ -59,3 +59,23 @@ def test_long_conversations_become_windows_at_exchange_boundaries():
 
     windows = sharegpt.sequences(conv, encode, seq_len=5)
     assert windows == [[0, 1, 1, 1, 1], [0, 1, 1]]
+
+
+def test_prompts_end_with_a_user_turn_fit_and_respect_the_split(tmp_path):
+    """Self-distillation requests: each ends with a user turn, fits ``max_tokens``, alternates
+    first turns with multi-turn contexts where one fits, and never crosses the held-out split."""
+    records = [{"id": f"p{i}_0", "conversations": [
+        {"from": "human", "value": f"question {i} " + "word " * (i % 5) * 30},
+        {"from": "gpt", "value": f"answer {i}"}, {"from": "human", "value": f"follow-up {i}"},
+        {"from": "gpt", "value": "more"}]} for i in range(400)]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(records))
+    encode = lambda msgs: " ".join(m["content"] for m in msgs).split()  # a "token" per word
+    train = sharegpt.prompts(encode, 50, max_tokens=40, path=path)
+    assert len(train) == 50
+    assert all(p[-1]["role"] == "user" and len(encode(p)) <= 40 for p in train)
+    assert {len(p) for p in train} == {1, 3}
+    held = sharegpt.prompts(encode, 1000, split="held_out", max_tokens=10_000, path=path)
+    held_questions = {p[0]["content"] for p in held}
+    assert held and not held_questions & {p[0]["content"] for p in train}
+    assert all(sharegpt.held_out(f"p{p[0]['content'].split()[1]}_0") for p in held)

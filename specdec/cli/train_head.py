@@ -38,7 +38,8 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="tokens per training sequence (default: 1024 for sharegpt, 512 for python-docs)")
     p.add_argument("--extract-only", action="store_true",
                    help="stop after the corpus and the target's features are written (a long extraction in "
-                   "resumable stages; train later with the same command without this flag)")
+                   "resumable stages; train later with the same command without this flag); with "
+                   "--answer-batches, stop after the target's own answers are generated instead")
     p.add_argument("--corpus-root", default=None, metavar="DIR",
                    help="with --corpus python-docs: read the .py/.md/.rst files under DIR (default: this Python's site-packages)")
     p.add_argument("--sequences", type=int_at_least(16), default=None,
@@ -53,9 +54,10 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passes", type=int_at_least(1), default=d.passes, help="draft steps trained per position (default: %(default)s)")
     p.add_argument("--seed", type=int_at_least(0), default=d.seed, help="(default: %(default)s)")
     p.add_argument("--answer-batches", type=int_at_least(0), default=0,
-                   help="stage 2: batches of 16 prompts (derived from unused corpus chunks) the target answers "
-                   "itself, up to 256 tokens, greedy and T = 0.7 batch by batch; the head is then fine-tuned "
-                   "on those answers (default: 0, off)")
+                   help="stage 2 (self-distillation): batches of 16 requests the target answers itself, up to "
+                   "256 tokens, greedy and T = 0.7 batch by batch, its features recorded as it generates "
+                   "(ShareGPT user turns for --corpus sharegpt, else prompts derived from unused python-docs "
+                   "chunks); the head is then fine-tuned on those answers (default: 0, off)")
     p.add_argument("--finetune-steps", type=int_at_least(0), default=0, help="stage 2 fine-tuning steps (default: 0)")
     p.add_argument("--init-head", default=None, metavar="FILE",
                    help="start from this head (made earlier for the same target): with --answer-batches and "
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if source == "sharegpt" and root is not None:
         raise UsageError("--corpus-root reads python-docs; it does not apply to --corpus sharegpt")
     seq_len = args.seq_len or (1024 if source == "sharegpt" else 512)
-    if bool(args.answer_batches) != bool(args.finetune_steps):
+    if bool(args.answer_batches) != bool(args.finetune_steps) and not args.extract_only:
         raise UsageError("--answer-batches and --finetune-steps go together (stage 2 needs both)")
     init = Path(args.init_head) if args.init_head else None
     if init is not None and not init.is_file():

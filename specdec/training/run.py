@@ -43,7 +43,8 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
 
     ``source``: "sharegpt" (chat conversations, :mod:`specdec.training.sharegpt`, formatted by
     ``encode_chat``) or "python-docs" (:mod:`specdec.training.corpus`). ``extract_only``: stop
-    after the feature shards are written (a long extraction in stages); returns None then."""
+    after the feature shards are written (a long extraction in stages), or with ``answer_batches``
+    after the own answers are generated; returns None then."""
     workdir.mkdir(parents=True, exist_ok=True)
     corpus_path = workdir / ("corpus.json" if source == "python-docs" else f"corpus-{source}-{seq_len}.json")
     stages = {}
@@ -61,6 +62,14 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     stages["corpus_seconds"] = round(time.perf_counter() - t, 1)
 
     if extract_only:  # everything training will read: the held-out set first (the "before" figures)
+        if answer_batches:  # stage 2's data alone: the target's own answers
+            if source == "sharegpt":
+                held_out_own_answers(target, workdir, encode_chat, eos_ids)
+            used = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}
+            own_answers(target, _own_answer_dir(workdir, source),
+                        answer_prompts(source, answer_batches * ANSWER_BATCH, encode_chat, used, corpus_root),
+                        answer_batches, eos_ids, encode_chat)
+            return None
         if source == "sharegpt":
             held_out_sharegpt(target, workdir, encode_chat, seq_len)
         features.extract(target.model, sequences, workdir / _features_dir(source, seq_len))
@@ -96,7 +105,7 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     finetune = None
     if answer_batches and finetune_steps:
         finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answer_batches,
-                                            finetune_steps, eos_ids, encode_chat, full_rows, corpus_root)
+                                            finetune_steps, eos_ids, encode_chat, full_rows, corpus_root, source)
         card["finetune"] = finetune
     stage2 = f" --answer-batches {answer_batches} --finetune-steps {finetune_steps}" if finetune else ""
     if init_head is None:
@@ -260,22 +269,18 @@ def _stage1_command(target, max_tokens, max_sequences, cfg) -> str:
             f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed}")
 
 
-def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, batches, steps,
-                             eos_ids, encode_chat, full_rows, corpus_root) -> dict:
-    """Stage 2: the target answers prompts derived from unused corpus chunks (greedy and T = 0.7 in
-    turn, its features recorded while it generates), then the head is fine-tuned on those answers
-    mixed with as many corpus sequences (none when stage 1 ran earlier: ``corpus_data`` is empty),
-    at a third of the learning rate. Evaluated on held-out own answers."""
+def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int, eos_ids, encode_chat) -> Dataset:
+    """The target's answers to ``prompts``, ``ANSWER_BATCH`` at a time (greedy and T = 0.7 in
+    turn), with its features recorded while it generates: one shard per batch in ``directory``,
+    so an interrupted run resumes at the first missing batch."""
     from specdec.sampling import SamplingParams
 
-    net.load_export({k: v.half() for k, v in net.export().items()})  # start from the stage-1 head as saved (fp16)
-    own_dir = workdir / "own-answers"
-    own_dir.mkdir(exist_ok=True)
-    prompts = corpus.answer_prompts(used_sources, batches * ANSWER_BATCH, root=corpus_root)
+    directory.mkdir(parents=True, exist_ok=True)
     room = target.model.cfg.max_position_embeddings
     t = time.perf_counter()
+    made = 0
     for b in range(batches):
-        path = features.shard_path(own_dir, b)
+        path = features.shard_path(directory, b)
         group = prompts[b * ANSWER_BATCH : (b + 1) * ANSWER_BATCH]
         if path.exists() or not group:
             continue
@@ -283,22 +288,75 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
         params = SamplingParams(temperature=ANSWER_TEMPERATURES[b % len(ANSWER_TEMPERATURES)])
         rows = features.generate_with_features(target.model, ids, params, min(ANSWER_TOKENS, room // 2), eos_ids, seed=b)
         features.write_shard(path, rows)
-        cache.notice(f"own answers: batch {b + 1}/{batches} ({time.perf_counter() - t:.0f} s)")
-    own = Dataset(features.load_shards(own_dir)[:batches])
-    own_train, own_held = split(len(own), 10)
+        made += sum(len(r[0]) for r in rows)
+        cache.notice(f"own answers: batch {b + 1}/{batches} in {directory.name} "
+                     f"({time.perf_counter() - t:.0f} s, {made / (time.perf_counter() - t):.1f} feature tokens/s)")
+    return Dataset(features.load_shards(directory)[:batches])
+
+
+def answer_prompts(source: str, count: int, encode_chat, used_sources: set[str], corpus_root: Path | None,
+                   split: str = "train") -> list[list[dict]]:
+    """Requests for the target to answer itself: ShareGPT user turns of ``split``
+    (:func:`sharegpt.prompts`), or prompts derived from unused python-docs chunks."""
+    if source == "sharegpt":
+        from specdec.training import sharegpt
+
+        return sharegpt.prompts(encode_chat, count, split=split)
+    return corpus.answer_prompts(used_sources, count, root=corpus_root)
+
+
+HELD_OUT_ANSWER_BATCHES = 2  # 32 held-out ShareGPT requests, ~7k answer tokens: a standard error of ~0.006
+
+
+def held_out_own_answers(target, workdir: Path, encode_chat, eos_ids) -> Dataset:
+    """The target's own answers to held-out ShareGPT requests (conversations never trained on):
+    the text a head drafts at inference, so the evaluation closest to the bench's."""
+    prompts = answer_prompts("sharegpt", HELD_OUT_ANSWER_BATCHES * ANSWER_BATCH, encode_chat, set(), None,
+                             split="held_out")
+    return own_answers(target, workdir / "own-answers-sharegpt-held-out", prompts, HELD_OUT_ANSWER_BATCHES,
+                       eos_ids, encode_chat)
+
+
+def _own_answer_dir(workdir: Path, source: str) -> Path:
+    return workdir / ("own-answers" if source == "python-docs" else f"own-answers-{source}")
+
+
+def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, batches, steps,
+                             eos_ids, encode_chat, full_rows, corpus_root, source) -> dict:
+    """Stage 2: the target answers requests (:func:`answer_prompts`; greedy and T = 0.7 in turn,
+    its features recorded while it generates), then the head is fine-tuned on those answers mixed
+    with as many corpus sequences (none when stage 1 ran earlier: ``corpus_data`` is empty), at a
+    third of the learning rate. Evaluated on held-out own answers: answers to held-out ShareGPT
+    conversations for ``source`` "sharegpt", else every 10th own answer."""
+    net.load_export({k: v.half() for k, v in net.export().items()})  # start from the stage-1 head as saved (fp16)
+    t = time.perf_counter()
+    prompts = answer_prompts(source, batches * ANSWER_BATCH, encode_chat, used_sources, corpus_root)
+    own = own_answers(target, _own_answer_dir(workdir, source), prompts, batches, eos_ids, encode_chat)
+    if source == "sharegpt":
+        held = held_out_own_answers(target, workdir, encode_chat, eos_ids)
+        own_train, own_held = list(range(len(own))), list(range(len(own), len(own) + len(held)))
+    else:
+        held = Dataset([])
+        own_train, own_held = split(len(own), 10)
+    generate_s = time.perf_counter() - t
     mixed = Dataset([])
-    mixed.rows = own.rows + corpus_data.rows
-    train_ids = own_train + [len(own.rows) + i for i in corpus_train[: len(own_train)]]
-    before = evaluate(net, mixed, own_held, cfg.passes, full_rows)
+    mixed.rows = own.rows + held.rows + corpus_data.rows
+    offset = len(own.rows) + len(held.rows)
+    train_ids = own_train + [offset + i for i in corpus_train[: len(own_train)]]
+    header = answer_header(encode_chat) if cfg.answers_only else None
+    scored = {"batch": 1, "answer_header": header, "ends": eos_ids}
+    before = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
     ft_cfg = TrainConfig(**{**asdict(cfg), "steps": steps, "lr": cfg.lr * 0.3, "warmup": 5, "seed": cfg.seed + 1,
                             "checkpoint_every": 10})
-    log = train(net, mixed, train_ids, ft_cfg, workdir / "finetune.pt")
-    after = evaluate(net, mixed, own_held, cfg.passes, full_rows)
+    log = train(net, mixed, train_ids, ft_cfg, workdir / f"finetune-own-{source}.pt", answer_header=header,
+                ends=eos_ids)
+    after = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
     return {"own_answer_sequences": len(own), "own_answer_tokens": sum(r[0].shape[0] for r in own.rows),
+            "prompts": "ShareGPT user turns" if source == "sharegpt" else "derived from unused python-docs chunks",
             "own_train": len(own_train), "own_held_out": len(own_held), "corpus_mixed_in": len(train_ids) - len(own_train),
-            "temperatures": _temperatures_used(batches),
+            "temperatures": _temperatures_used(batches), "answers_only": header is not None,
             "steps": steps, "lr": ft_cfg.lr, "seconds": round(log["seconds"], 1),
-            "generate_seconds_this_run": round(time.perf_counter() - t - log["seconds"], 1),
+            "generate_seconds_this_run": round(generate_s, 1),
             "held_out_own_answers_before": before, "held_out_own_answers_after": after}
 
 
@@ -311,8 +369,8 @@ def _temperatures_used(batches: int) -> str:
 
 def _stage2_line(f: dict, title: str, init: dict | None) -> str:
     return (
-        f"\n- **{title} (own answers):** the target answered {f['own_answer_sequences']} prompts derived from "
-        f"unused corpus chunks ({f.get('own_answer_tokens', '?')} tokens, {f.get('temperatures', 'greedy')}, features "
+        f"\n- **{title} (own answers):** the target answered {f['own_answer_sequences']} requests "
+        f"({f.get('prompts', 'derived from unused corpus chunks')}; {f.get('own_answer_tokens', '?')} tokens, {f.get('temperatures', 'greedy')}, features "
         f"recorded while it generated); {f['steps']} fine-tuning steps at lr {f['lr']:g} on them"
         + (" mixed with as many corpus sequences" if f.get("corpus_mixed_in") else "")
         + (f", starting from `{init['file']}` (sha256 `{init['sha256'][:16]}…`)" if init else "") + ". Held-out own "

@@ -203,3 +203,28 @@ def build(encode, seq_len: int, max_tokens: int, split: str = "train", path: Pat
                 "filters": stats, "split": split, "seq_len": seq_len, "tokens": total, "sequences": len(seqs),
                 "conversation_ids": ids}
     return {"sequences": seqs, "manifest": manifest}
+
+
+def prompts(encode, count: int, split: str = "train", max_tokens: int = 320, path: Path | None = None) -> list[list[dict]]:
+    """Up to ``count`` chat requests from ``split`` conversations for the target to answer itself
+    (self-distillation: a head drafts the target's own text, not a human's). Conversations are
+    taken in the order of a hash of their id, so the requests spread over the whole file rather
+    than the file-order prefix :func:`build` reads. Every second request keeps a multi-turn context
+    (first user turn, the human-written answer, the second user turn), the rest are first turns;
+    a request whose ``encode(messages)`` (with the generation prompt) exceeds ``max_tokens`` is
+    skipped, or falls back to the first turn alone."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    convs, _ = conversations((path or data_path()).read_bytes().decode("utf-8", errors="replace"))
+    chosen = sorted((c for c in convs if held_out(c.id) == (split == "held_out")),
+                    key=lambda c: hashlib.sha256(c.id.encode()).hexdigest())
+    out: list[list[dict]] = []
+    for conv in chosen:
+        if len(out) >= count:
+            break
+        turns = [list(conv.messages[:3]), list(conv.messages[:1])] if len(out) % 2 and len(conv.messages) >= 3 else \
+            [list(conv.messages[:1])]
+        fit = next((t for t in turns if len(encode(t)) <= max_tokens), None)
+        if fit is not None:
+            out.append(fit)
+    return out

@@ -1,13 +1,17 @@
 """Held-out acceptance of a draft head on ShareGPT conversations it never saw (issue 29's figure).
 
-Per draft position m = 1..passes, over the assistant's tokens of the held-out conversations
-(split by conversation id, 2%; never trained on), teacher-forced, the head reading its own
-guesses at steps > 1:
+Two held-out sets (``--sets``), both from conversations split off by id (2%; never trained on):
+  sharegpt     the conversations as written (human answers, up to 12k tokens);
+  own-answers  the target's own answers to 32 of their user turns (greedy and T = 0.7 in turn,
+               up to 256 tokens each): the text a head drafts at inference, as on the bench.
+Per draft position m = 1..passes, over the assistant's tokens, teacher-forced, the head reading
+its own guesses at steps > 1:
   greedy[m] = how often the head's argmax equals the target's (greedy acceptance);
   alpha[m]  = mean sum_x min(p(x), q(x)) at temperature T (the acceptance of a sampled draft).
 
-The held-out features are extracted once into --workdir (~7 minutes of one core for 12k tokens
-at the q4 runtime's prefill on an AVX2 EPYC) and reused.
+The held-out features are extracted (or generated) once into --workdir (~7 minutes of one core
+for 12k tokens at the q4 runtime's prefill on an AVX2 EPYC; ~2.5 minutes on two for the own
+answers) and reused.
 
     .venv/bin/python benchmarks/head_eval.py --workdir /path/to/train-head-workdir [--head FILE] --out eval.json
 """
@@ -25,7 +29,7 @@ from specdec.models import heads, registry
 from specdec.models.heads import read_head
 from specdec.training.head_net import HeadNet
 from specdec.runtime.linear import DEFAULT_DTYPE
-from specdec.training.run import answer_header, default_workdir, held_out_sharegpt
+from specdec.training.run import answer_header, default_workdir, held_out_own_answers, held_out_sharegpt
 
 
 def cpu_name() -> str:
@@ -46,6 +50,7 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="head file (default: the one shipped for --target)")
     ap.add_argument("--workdir", default=None, help="where the held-out features are cached (default: train-head's)")
     ap.add_argument("--temperatures", default="1.0,0.7", help="comma-separated temperatures for alpha (default: %(default)s)")
+    ap.add_argument("--sets", default="sharegpt,own-answers", help="held-out sets, comma-separated (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
 
@@ -54,7 +59,9 @@ def main() -> None:
     if path is None:
         raise SystemExit(f"{args.target} has no shipped head: pass --head FILE")
     workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, args.dtype)
-    held = held_out_sharegpt(gen.target, workdir, gen.encode_chat, 1024)
+    sets = args.sets.split(",")
+    if not set(sets) <= {"sharegpt", "own-answers"}:
+        raise SystemExit(f"--sets: choose from sharegpt, own-answers; got {args.sets}")
     head_cfg, state, vocab_ids, card = read_head(path)
     passes = card.get("train_config", {}).get("passes", 3)  # the draft steps it was trained for
     model = gen.target.model
@@ -65,16 +72,19 @@ def main() -> None:
     header = answer_header(gen.encode_chat)
     from specdec.training.train import evaluate
 
-    out = {"head": path.name, "target": gen.target.name, "dtype": args.dtype, "cpu": cpu_name(),
-           "held_out_windows": len(held), "by_temperature": {}}
-    for t in [float(x) for x in args.temperatures.split(",")]:
-        start = time.perf_counter()
-        scores = evaluate(net, held, list(range(len(held))), passes, full_rows, batch=1, answer_header=header,
-                          ends=gen.eos_token_ids, temperature=t)
-        scores["seconds"] = round(time.perf_counter() - start, 1)
-        out["by_temperature"][str(t)] = scores
-        print(f"T={t}: greedy {scores['greedy']}  alpha {scores['alpha']}  ({scores['slots']} answer slots, "
-              f"subset covers the target's argmax {scores['subset_covers_argmax']:.1%}, {scores['seconds']} s)")
+    out = {"head": path.name, "target": gen.target.name, "dtype": args.dtype, "cpu": cpu_name(), "sets": {}}
+    for name in sets:
+        held = (held_out_sharegpt(gen.target, workdir, gen.encode_chat, 1024) if name == "sharegpt" else
+                held_out_own_answers(gen.target, workdir, gen.encode_chat, gen.eos_token_ids))
+        result = out["sets"][name] = {"held_out_windows": len(held), "by_temperature": {}}
+        for t in [float(x) for x in args.temperatures.split(",")]:
+            start = time.perf_counter()
+            scores = evaluate(net, held, list(range(len(held))), passes, full_rows, batch=1, answer_header=header,
+                              ends=gen.eos_token_ids, temperature=t)
+            scores["seconds"] = round(time.perf_counter() - start, 1)
+            result["by_temperature"][str(t)] = scores
+            print(f"{name} T={t}: greedy {scores['greedy']}  alpha {scores['alpha']}  ({scores['slots']} answer slots, "
+                  f"subset covers the target's argmax {scores['subset_covers_argmax']:.1%}, {scores['seconds']} s)")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
 

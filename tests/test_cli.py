@@ -196,6 +196,47 @@ def test_an_unexpected_error_is_one_line_with_a_hint(capsys, model_dir, monkeypa
     assert "internal error: ZeroDivisionError: boom" in err.splitlines()[-1]
 
 
+def test_train_head_self_distills_on_sharegpt_user_turns(capsys, tmp_path, monkeypatch):
+    """`train-head --corpus sharegpt --extract-only --answer-batches N`: the target answers N
+    batches of ShareGPT user turns (training split) and, apart, two batches of held-out ones; the
+    shards hold prompt + answer ids with a feature per position, and a rerun redoes nothing."""
+    from safetensors.torch import load_file
+
+    from specdec.training import run as training_run, sharegpt
+
+    hf = hf_tiny("llama")
+    model = save_hf_dir(hf, tmp_path / "model")
+    tok_config = model / "tokenizer_config.json"
+    config = json.loads(tok_config.read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok_config.write_text(json.dumps(config))
+    records = [{"id": f"c{i}_0", "conversations": [{"from": "human", "value": f"please tell me about {i}"},
+                                                   {"from": "gpt", "value": f"it is {i} and more"}]}
+               for i in range(2500)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(records))
+    monkeypatch.setattr(sharegpt, "data_path", lambda: data)
+    monkeypatch.setattr(training_run, "ANSWER_TOKENS", 6)
+    work = tmp_path / "work"
+    args = ["train-head", "--target", str(model), "--dtype", "float32", "--out", str(tmp_path / "h.safetensors"),
+            "--corpus", "sharegpt", "--tokens", "2000", "--workdir", str(work), "--extract-only", "--answer-batches", "2"]
+    code, stdout, err = _run(capsys, *args)
+    assert code == 0, err
+    assert "own answers: batch 2/2 in own-answers-sharegpt " in err
+    assert "own answers: batch 2/2 in own-answers-sharegpt-held-out" in err
+    for name in ("own-answers-sharegpt", "own-answers-sharegpt-held-out"):
+        shards = sorted((work / name).glob("features-*.safetensors"))
+        assert len(shards) == 2
+        for shard in shards:
+            d = load_file(str(shard))
+            lengths = (d["tokens"] >= 0).sum(1)
+            assert d["tokens"].shape[0] == 16 and d["hidden"].shape[:2] == d["tokens"].shape
+            assert bool((lengths > 4).all()) and bool(d["hidden"][0, : int(lengths[0])].abs().sum(-1).gt(0).all())
+    code, _, err = _run(capsys, *args)
+    assert code == 0 and "own answers" not in err
+
+
 def test_train_head_then_generate_with_it(capsys, tmp_path):
     """`specdec train-head` end to end on a tiny model and a tiny corpus (resumable stages), then
     `generate --head` with the result: the same tokens as plain decoding (greedy)."""

@@ -271,7 +271,7 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     out2 = tmp_path / "head2.safetensors"
     again = ["train-head", "--target", str(model), "--dtype", "float32", "--out", str(out2), "--tokens", "20000",
              "--corpus-root", str(sources), "--workdir", str(tmp_path / "work2"), "--init-head", str(out),
-             "--answer-batches", "2", "--finetune-steps", "2"]
+             "--answer-batches", "2", "--finetune-steps", "2", "--new-vocab"]
     code, stdout, err = _run(capsys, *again)
     assert code == 0, err
     assert "extract features" not in err and "train head" in err
@@ -281,6 +281,12 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     assert card2["init_head"]["sha256"] == card["sha256"]
     assert card2["command"].startswith(card["command"] + "; then specdec train-head")
     assert card2["finetune"]["own_answer_sequences"] >= 2 and card2["finetune"]["corpus_mixed_in"] == 0
+    new_vocab = card2["finetune"]["new_vocab"]  # re-chosen, as many ids, evaluated before training too
+    assert new_vocab["size"] == 64 and new_vocab["kept_from_before"] <= 64 and "--new-vocab" in card2["command"]
+    assert len(new_vocab["before_training"]["greedy"]) == len(card2["finetune"]["held_out_own_answers_before"]["greedy"])
+    from specdec.models.heads import read_head
+
+    assert read_head(out2)[2].numel() == 64
     # stage 1 from the head just made: trained further on the corpus (top-k labels), evaluated before and after
     out3 = tmp_path / "head3.safetensors"
     code, _, err = _run(capsys, "train-head", "--target", str(model), "--dtype", "float32", "--out", str(out3),
@@ -292,6 +298,8 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     assert len(card3["held_out_eval"]["before"]["greedy"]) == len(card3["held_out_eval"]["after"]["greedy"]) == 2
     code, _, err = _run(capsys, "train-head", "--target", str(model), "--out", str(out2), "--answers-only")
     assert code == 2 and "--label-top-k" in err
+    code, _, err = _run(capsys, "train-head", "--target", str(model), "--out", str(out2), "--new-vocab")
+    assert code == 2 and "--new-vocab applies to stage 2" in err
 
     base = ["generate", "--target", str(model), "--dtype", "float32", "--prompt", "def f(x):", "--max-new-tokens", "12",
             "--json"]

@@ -351,6 +351,10 @@ def test_vocab_subset_ranks_by_frequency_and_keeps_end_ids():
     rows = [torch.tensor([5, 5, 5, 7, 7, 9, -1]), torch.tensor([7, 5, 2])]
     assert vocab_subset(rows, 3, {90}, 97).tolist() == [5, 7, 90]
     assert vocab_subset(rows, 6, set(), 97).tolist() == [0, 1, 2, 5, 7, 9]
+    # share 1/2: the 3 most frequent (end id first), then the lowest unused ids
+    assert vocab_subset(rows, 6, {90}, 97, frequent_share=0.5).tolist() == [0, 1, 2, 5, 7, 90]
+    with pytest.raises(ValueError, match="frequent_share"):
+        vocab_subset(rows, 6, set(), 97, frequent_share=0)
 
 
 def test_top_k_loss_with_every_id_equals_the_full_soft_label_loss(fp32_target):

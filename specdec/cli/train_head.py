@@ -58,6 +58,10 @@ def add(sub: argparse._SubParsersAction) -> None:
                    "256 tokens, greedy and T = 0.7 batch by batch, its features recorded as it generates "
                    "(ShareGPT user turns for --corpus sharegpt, else prompts derived from unused python-docs "
                    "chunks); the head is then fine-tuned on those answers (default: 0, off)")
+    p.add_argument("--new-vocab", action="store_true",
+                   help="stage 2: re-choose the ids the head drafts (as many as before) from the corpus "
+                   "sequences used and the own answers, 3/4 by frequency and the rest by the tokenizer's merge "
+                   "order; the head's layer is kept (default: keep the head's ids)")
     p.add_argument("--finetune-steps", type=int_at_least(0), default=0, help="stage 2 fine-tuning steps (default: 0)")
     p.add_argument("--init-head", default=None, metavar="FILE",
                    help="start from this head (made earlier for the same target): with --answer-batches and "
@@ -98,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or (1024 if source == "sharegpt" else 512)
     if bool(args.answer_batches) != bool(args.finetune_steps) and not args.extract_only:
         raise UsageError("--answer-batches and --finetune-steps go together (stage 2 needs both)")
+    if args.new_vocab and not args.answer_batches:
+        raise UsageError("--new-vocab applies to stage 2: it needs --answer-batches and --finetune-steps")
     init = Path(args.init_head) if args.init_head else None
     if init is not None and not init.is_file():
         raise UsageError(f"--init-head {init} is not a file")
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--answers-only needs --label-top-k")
     card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
                args.answer_batches, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,
-               source=source, seq_len=seq_len, extract_only=args.extract_only)
+               source=source, seq_len=seq_len, extract_only=args.extract_only, new_vocab=args.new_vocab)
     if card is None:
         print(f"features written under {workdir}; rerun without --extract-only to train")
         return 0

@@ -37,6 +37,11 @@ class HeadNet(torch.nn.Module):
         self.embed, self.final_norm, self.lm_rows = embed, final_norm.float(), lm_rows.float()
         self._rope = rope_tables(cfg.rope_theta, cfg.head_dim, 4096)
 
+    def set_vocab(self, vocab_ids: torch.Tensor, lm_rows: torch.Tensor) -> None:
+        """Draft another subset of ids (``lm_rows`` [N, E]: the target's rows for ``vocab_ids``).
+        Nothing trained depends on the subset: the layer's output is scored by the target's own rows."""
+        self.vocab_ids, self.lm_rows = vocab_ids.long(), lm_rows.float()
+
     # -- the state the runtime reads -------------------------------------------------------------
     def export(self) -> dict[str, torch.Tensor]:
         """HF-style tensors of the trainable part (what :func:`save_head` writes)."""

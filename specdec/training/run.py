@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 
 from specdec import cache
 from specdec.models import heads
@@ -32,7 +33,8 @@ ANSWER_TEMPERATURES = (0.0, 0.7)  # batch b answers at ANSWER_TEMPERATURES[b % 2
 def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: TrainConfig,
         eos_ids: set[int], max_sequences: int | None = None, corpus_root: Path | None = None,
         answer_batches: int = 0, finetune_steps: int = 0, encode_chat=None, init_head: Path | None = None,
-        source: str = "python-docs", seq_len: int = 512, extract_only: bool = False) -> dict | None:
+        source: str = "python-docs", seq_len: int = 512, extract_only: bool = False,
+        new_vocab: bool = False) -> dict | None:
     """Train a head for ``target`` (its runtime dtype is the one whose features the head learns
     to read) and write it to ``out``; returns the model card.
 
@@ -44,7 +46,9 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     ``source``: "sharegpt" (chat conversations, :mod:`specdec.training.sharegpt`, formatted by
     ``encode_chat``) or "python-docs" (:mod:`specdec.training.corpus`). ``extract_only``: stop
     after the feature shards are written (a long extraction in stages), or with ``answer_batches``
-    after the own answers are generated; returns None then."""
+    after the own answers are generated; returns None then. ``new_vocab``: stage 2 re-chooses the
+    ids the head drafts from the corpus sequences used and the own answers (see
+    :func:`_finetune_on_own_answers`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     corpus_path = workdir / ("corpus.json" if source == "python-docs" else f"corpus-{source}-{seq_len}.json")
     stages = {}
@@ -105,9 +109,11 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     finetune = None
     if answer_batches and finetune_steps:
         finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answer_batches,
-                                            finetune_steps, eos_ids, encode_chat, full_rows, corpus_root, source)
+                                            finetune_steps, eos_ids, encode_chat, full_rows, corpus_root, source,
+                                            new_vocab_from=sequences if new_vocab else None)
         card["finetune"] = finetune
-    stage2 = f" --answer-batches {answer_batches} --finetune-steps {finetune_steps}" if finetune else ""
+    stage2 = (f" --answer-batches {answer_batches} --finetune-steps {finetune_steps}"
+              + (" --new-vocab" if new_vocab else "")) if finetune else ""
     if init_head is None:
         card["command"] = command + stage2 + f" --out {out.name}"
     else:
@@ -305,6 +311,7 @@ def answer_prompts(source: str, count: int, encode_chat, used_sources: set[str],
     return corpus.answer_prompts(used_sources, count, root=corpus_root)
 
 
+NEW_VOCAB_FREQUENT_SHARE = 0.75  # chosen on held-out own answers (see vocab_subset)
 HELD_OUT_ANSWER_BATCHES = 2  # 32 held-out ShareGPT requests, ~7k answer tokens: a standard error of ~0.006
 
 
@@ -322,7 +329,7 @@ def _own_answer_dir(workdir: Path, source: str) -> Path:
 
 
 def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, batches, steps,
-                             eos_ids, encode_chat, full_rows, corpus_root, source) -> dict:
+                             eos_ids, encode_chat, full_rows, corpus_root, source, new_vocab_from=None) -> dict:
     """Stage 2: the target answers requests (:func:`answer_prompts`; greedy and T = 0.7 in turn,
     its features recorded while it generates), then the head is fine-tuned on those answers mixed
     with as many corpus sequences (none when stage 1 ran earlier: ``corpus_data`` is empty), at a
@@ -346,18 +353,29 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
     header = answer_header(encode_chat) if cfg.answers_only else None
     scored = {"batch": 1, "answer_header": header, "ends": eos_ids}
     before = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
+    vocab_record = None
+    if new_vocab_from is not None:
+        rows = [own.rows[i][0] for i in own_train] + [torch.tensor(ids) for ids in new_vocab_from]
+        old_ids = net.vocab_ids
+        ids = vocab_subset(rows, old_ids.numel(), eos_ids, full_rows.shape[0], NEW_VOCAB_FREQUENT_SHARE)
+        net.set_vocab(ids, full_rows[ids])
+        vocab_record = {"size": ids.numel(), "frequent_share": NEW_VOCAB_FREQUENT_SHARE,
+                        "kept_from_before": int(torch.isin(ids, old_ids).sum()),
+                        "chosen_from_tokens": sum(int((r >= 0).sum()) for r in rows),
+                        "before_training": evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)}
     ft_cfg = TrainConfig(**{**asdict(cfg), "steps": steps, "lr": cfg.lr * 0.3, "warmup": 5, "seed": cfg.seed + 1,
                             "checkpoint_every": 10})
     log = train(net, mixed, train_ids, ft_cfg, workdir / f"finetune-own-{source}.pt", answer_header=header,
                 ends=eos_ids)
     after = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
-    return {"own_answer_sequences": len(own), "own_answer_tokens": sum(r[0].shape[0] for r in own.rows),
+    record = {"own_answer_sequences": len(own), "own_answer_tokens": sum(r[0].shape[0] for r in own.rows),
             "prompts": "ShareGPT user turns" if source == "sharegpt" else "derived from unused python-docs chunks",
             "own_train": len(own_train), "own_held_out": len(own_held), "corpus_mixed_in": len(train_ids) - len(own_train),
             "temperatures": _temperatures_used(batches), "answers_only": header is not None,
             "steps": steps, "lr": ft_cfg.lr, "seconds": round(log["seconds"], 1),
             "generate_seconds_this_run": round(generate_s, 1),
             "held_out_own_answers_before": before, "held_out_own_answers_after": after}
+    return record | ({"new_vocab": vocab_record} if vocab_record else {})
 
 
 def _temperatures_used(batches: int) -> str:

@@ -50,15 +50,23 @@ def split(num_sequences: int, every: int) -> tuple[list[int], list[int]]:
     return [i for i in range(num_sequences) if i % every != every - 1], held
 
 
-def vocab_subset(token_rows: list[torch.Tensor], size: int, always: set[int], vocab: int) -> torch.Tensor:
-    """The ``size`` most frequent ids of the training tokens (ties by id), plus ``always``
-    (end-of-turn ids), sorted by id."""
+def vocab_subset(token_rows: list[torch.Tensor], size: int, always: set[int], vocab: int,
+                 frequent_share: float = 1.0) -> torch.Tensor:
+    """The ids a head drafts, sorted: ``always`` (end-of-turn ids), then the most frequent ids of
+    the training tokens (ties by id) up to ``frequent_share`` of ``size``, then the lowest unused
+    ids. A byte-level BPE numbers its merges in the order it learned them, so low ids are the
+    frequent pieces of the tokenizer's own (multilingual) corpus: the fill is a prior for text the
+    training tokens lack. On the bench's greedy answers a 16,384-id subset of ShareGPT tokens
+    covers 0.883 of the target's tokens at share 1 and 0.890 at 0.75; on held-out own answers
+    (what the share was chosen on) 0.910 and 0.919 (docs/HEAD-TRAINING.md)."""
+    if not 0 < frequent_share <= 1:
+        raise ValueError(f"frequent_share must be in (0, 1], got {frequent_share}")
     counts = Counter()
     for row in token_rows:
         counts.update(row[row >= 0].tolist())
     ranked = [i for i, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
-    chosen = list(dict.fromkeys([i for i in always if i < vocab] + ranked))[:size]
-    if len(chosen) < size:  # a small corpus: fill with the lowest unused ids
+    chosen = list(dict.fromkeys([i for i in always if i < vocab] + ranked))[: max(1, int(size * frequent_share))]
+    if len(chosen) < size:  # fill with the lowest unused ids (all of the rest for a small corpus)
         used = set(chosen)
         chosen += [i for i in range(vocab) if i not in used][: size - len(chosen)]
     return torch.tensor(sorted(chosen))

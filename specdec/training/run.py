@@ -103,7 +103,8 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         earlier = card.pop("finetune", None)
         if earlier is not None:
             card["finetune_earlier"] = full.get("finetune", earlier)
-        card["init_head"] = {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest()}
+        card["init_head"] = {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest()} | (
+            {"earlier": card["init_head"]} if "init_head" in card else {})  # the whole chain of heads stays on record
         dataset, train_ids = Dataset([]), []
         command = command or f"(the command that made {init_head.name} was not recorded)"
     finetune = None
@@ -386,48 +387,69 @@ def _temperatures_used(batches: int) -> str:
 
 
 def _stage2_line(f: dict, title: str, init: dict | None) -> str:
+    vocab = f.get("new_vocab")
     return (
         f"\n- **{title} (own answers):** the target answered {f['own_answer_sequences']} requests "
-        f"({f.get('prompts', 'derived from unused corpus chunks')}; {f.get('own_answer_tokens', '?')} tokens, {f.get('temperatures', 'greedy')}, features "
-        f"recorded while it generated); {f['steps']} fine-tuning steps at lr {f['lr']:g} on them"
-        + (" mixed with as many corpus sequences" if f.get("corpus_mixed_in") else "")
-        + (f", starting from `{init['file']}` (sha256 `{init['sha256'][:16]}…`)" if init else "") + ". Held-out own "
-        f"answers, greedy acceptance per position: {f['held_out_own_answers_before']['greedy']} before, "
-        f"{f['held_out_own_answers_after']['greedy']} after.")
+        f"({f.get('prompts', 'derived from unused corpus chunks')}; {f.get('own_answer_tokens', '?')} tokens, "
+        f"{f.get('temperatures', 'greedy')}, features recorded while it generated); {f['steps']} fine-tuning steps at "
+        f"lr {f['lr']:g} on them" + (" mixed with as many corpus sequences" if f.get("corpus_mixed_in") else "")
+        + (f", starting from `{init['file']}` (sha256 `{init['sha256'][:16]}…`)" if init else "")
+        + (f"; drafted ids re-chosen ({vocab['kept_from_before']} of {vocab['size']} kept)" if vocab else "")
+        + f". Held-out own answers, greedy acceptance per position: {f['held_out_own_answers_before']['greedy']} "
+        f"before, {f['held_out_own_answers_after']['greedy']} after.")
+
+
+def _corpus_line(card: dict) -> str:
+    c, t = card["corpus"], card["train_config"]
+    if "held_out_sequences" in c:  # stage 1 from scratch: every n-th corpus sequence held out
+        return (f"\n- **Stage 1 (corpus):** {c['sequences_used']} chat-formatted sequences (<= {c['seq_len']} tokens) "
+                f"from {', '.join(c.get('packages', [])[:3]) or 'the corpus'}{' and more' if len(c.get('packages', [])) > 3 else ''}; "
+                f"{c['train_tokens']} training tokens, every {t['held_out_every']}th sequence held out "
+                f"({c['held_out_sequences']} sequences); {t['steps']} steps x {t['batch_sequences']} sequences, "
+                f"AdamW lr {t['lr']} (warm-up, cosine), {card['training_seconds'] / 60:.0f} min.")
+    e = card.get("held_out_eval", {})
+    return (f"\n- **Corpus fine-tune:** {c['sequences_used']} windows (<= {c['seq_len']} tokens) of "
+            f"{', '.join(c.get('packages', []))}, {c['train_tokens']} tokens; {t['steps']} steps x "
+            f"{t['batch_sequences']} windows at lr {t['lr']}, top-{t.get('label_top_k')} labels"
+            + (", answers only" if t.get("answers_only") else "") + f", {card['training_seconds'] / 60:.0f} min. "
+            f"{e.get('set', 'Held out')}, greedy acceptance per position: {e.get('before', {}).get('greedy')} before, "
+            f"{e.get('after', {}).get('greedy')} after.")
 
 
 def card_markdown(card: dict, file_name: str) -> str:
-    """A short human-readable model card from the JSON card."""
-    c, h, t = card["corpus"], card["held_out"], card["train_config"]
-    rows = "\n".join(f"| {i + 1} | {g:.3f} | {a:.3f} |" for i, (g, a) in enumerate(zip(h["greedy"], h["alpha"])))
-    stage2 = "".join(_stage2_line(card[key], title, card.get("init_head") if key == "finetune" else None)
-                     for key, title in (("finetune_earlier", "Stage 2, first round"), ("finetune", "Stage 2"))
-                     if key in card)
+    """A short human-readable model card from the JSON card: what the head is, each stage that
+    made it (oldest first, following ``init_head``), and the held-out figures each one recorded."""
+    t = card["train_config"]
+    stages, init = [], card.get("init_head")
+    while init is not None:  # the chain of heads this one was trained from, newest first
+        if "card" in init:  # a head trained further on a corpus kept its starting head's card
+            stages.insert(0, f"\n- **Started from `{init['file']}`** (sha256 `{init['sha256'][:16]}…`), whose own "
+                             f"held-out greedy acceptance was {init['card'].get('held_out', {}).get('greedy')}.")
+        init = init.get("earlier")
+    stages.append(_corpus_line(card))
+    stages += [_stage2_line(card[key], title, card.get("init_head") if key == "finetune" else None)
+               for key, title in (("finetune_earlier", "Stage 2, first round"), ("finetune", "Stage 2"))
+               if key in card]
     note = f"\n- **Note:** {card['note']}" if card.get("note") else ""
+    h = card["held_out"]
+    rows = "\n".join(f"| {i + 1} | {g:.3f} | {a:.3f} |" for i, (g, a) in enumerate(zip(h["greedy"], h["alpha"])))
     return f"""# Draft head `{file_name}`
 
 An EAGLE-style draft head for **{card['target']}** (features of its `{card['target_dtype']}` runtime),
-trained by `specdec train-head` on this machine's CPU. See `specdec/runtime/head.py`.
+trained by `specdec train-head` on a CPU ({card.get('training_precision', 'fp32')}). See `specdec/runtime/head.py`.
 
 - **Architecture:** RMS-normalised target feature + token embedding -> fc (2E -> E) -> one decoder
   layer (the target's attention shape, MLP width {t['intermediate_size']}) -> the target's final norm
-  and output rows for {t['vocab_size']} frequency-ranked token ids (the rest are never drafted).
-- **Data:** {c['sequences_used']} chat-formatted sequences (<= {c['seq_len']} tokens) from the Python sources
-  and package documentation installed with specdec's dependencies ({len(c['packages'])} packages; no
-  bench or test prompt comes from them); {c['train_tokens']} training tokens, every
-  {t['held_out_every']}th sequence held out ({c['held_out_sequences']} sequences, {h['slots']} positions).
+  and output rows for {t['vocab_size']} token ids (the rest are never drafted).
 - **Labels:** the target's own next-token distribution (distillation), draft steps 1..{t['passes']}
-  trained at every position with the head reading its own guesses.
-- **Training:** {t['steps']} steps x {t['batch_sequences']} sequences, AdamW lr {t['lr']} (warm-up, cosine),
-  seed {t['seed']}: {card['training_seconds'] / 60:.0f} min on 2 CPU cores (feature extraction: one
-  prefill per sequence at the target's prefill speed, ~130 tokens/s on this 2-core CPU).
-- **Reproduce:** `{card['command']}`{stage2}{note}
+  trained with the head reading its own guesses.{''.join(stages)}
+- **Reproduce:** `{card['command']}`{note}
 - **File:** {card['bytes'] / 1e6:.1f} MB, sha256 `{card['sha256']}`
 
-Held-out corpus acceptance per draft position of the stage-1 head (teacher-forced tokens, the head's own features; greedy =
-argmax agreement with the target, sampled = sum min(p, q) at T = 1, each given the earlier
-positions right); the {t['vocab_size']}-id subset covers the target's argmax at
-{h['subset_covers_argmax']:.1%} of held-out positions:
+Held-out acceptance per draft position recorded with the corpus stage (teacher-forced tokens, the
+head's own features; greedy = argmax agreement with the target, sampled = sum min(p, q) at T = 1,
+each given the earlier positions right); the subset covers the target's argmax at
+{h['subset_covers_argmax']:.1%} of those positions:
 
 | position | greedy | sampled (T = 1) |
 |---|---|---|

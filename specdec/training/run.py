@@ -64,14 +64,14 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         corpus.save(data, corpus_path)
     sequences = data["sequences"][:max_sequences]
     stages["corpus_seconds"] = round(time.perf_counter() - t, 1)
+    sources = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}  # chunks the corpus used
 
     if extract_only:  # everything training will read: the held-out set first (the "before" figures)
         if answer_batches:  # stage 2's data alone: the target's own answers
             if source == "sharegpt":
                 held_out_own_answers(target, workdir, encode_chat, eos_ids)
-            used = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}
             own_answers(target, _own_answer_dir(workdir, source),
-                        answer_prompts(source, answer_batches * ANSWER_BATCH, encode_chat, used, corpus_root),
+                        answer_prompts(source, answer_batches * ANSWER_BATCH, encode_chat, sources, corpus_root),
                         answer_batches, eos_ids, encode_chat)
             return None
         if source == "sharegpt":
@@ -80,7 +80,6 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         return None
     model = target.model
     full_rows = heads.output_rows(target)  # [V, E] the target's output layer in fp32
-    sources = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}
     if init_head is not None and not (answer_batches and finetune_steps):
         card = _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_rows, init_head, encode_chat,
                                    source, seq_len, out)

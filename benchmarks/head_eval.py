@@ -3,7 +3,8 @@
 Two held-out sets (``--sets``), both from conversations split off by id (2%; never trained on):
   sharegpt     the conversations as written (human answers, up to 12k tokens);
   own-answers  the target's own answers to 32 of their user turns (greedy and T = 0.7 in turn,
-               up to 256 tokens each): the text a head drafts at inference, as on the bench.
+               up to 256 tokens each): the text a head drafts at inference, as on the bench;
+               only the generated answer is scored, not a human's answer in a multi-turn context.
 Per draft position m = 1..passes, over the assistant's tokens, teacher-forced, the head reading
 its own guesses at steps > 1:
   greedy[m] = how often the head's argmax equals the target's (greedy acceptance);
@@ -80,7 +81,7 @@ def main() -> None:
         for t in [float(x) for x in args.temperatures.split(",")]:
             start = time.perf_counter()
             scores = evaluate(net, held, list(range(len(held))), passes, full_rows, batch=1, answer_header=header,
-                              ends=gen.eos_token_ids, temperature=t)
+                              ends=gen.eos_token_ids, temperature=t, last_answer_only=name == "own-answers")
             scores["seconds"] = round(time.perf_counter() - start, 1)
             result["by_temperature"][str(t)] = scores
             print(f"{name} T={t}: greedy {scores['greedy']}  alpha {scores['alpha']}  ({scores['slots']} answer slots, "

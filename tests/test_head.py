@@ -380,6 +380,12 @@ def test_answer_mask_covers_each_answer_and_its_end_token():
     tokens = torch.tensor([[5, 1, 2, 9, 9, 7, 8, 1, 2, 3, 7, -1], [9] * 12])
     mask = answer_mask(tokens, header, {end})
     assert mask.int().tolist() == [[0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0], [0] * 12]
+    # the last turn alone (a generated answer after a multi-turn context): padding and rows
+    # without any answer stay out
+    last = answer_mask(tokens, header, {end}, last_only=True)
+    assert last.int().tolist() == [[0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0], [0] * 12]
+    unended = torch.tensor([[1, 2, 4, 7, 1, 2, 5, 5, -1, -1]])  # the last answer ran out of tokens
+    assert answer_mask(unended, header, {end}, last_only=True).int().tolist() == [[0, 0, 0, 0, 0, 0, 1, 1, 0, 0]]
 
 
 def test_bf16_autocast_only_where_the_cpu_multiplies_bf16_natively():

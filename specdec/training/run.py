@@ -351,7 +351,10 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
     offset = len(own.rows) + len(held.rows)
     train_ids = own_train + [offset + i for i in corpus_train[: len(own_train)]]
     header = answer_header(encode_chat) if cfg.answers_only else None
-    scored = {"batch": 1, "answer_header": header, "ends": eos_ids}
+    # scored: the target's own answer alone (a ShareGPT multi-turn request's context holds a human's
+    # answer); with no header to find it by (answers_only off, python-docs prompts) every slot
+    scoring = header or (answer_header(encode_chat) if source == "sharegpt" else None)
+    scored = {"batch": 1, "answer_header": scoring, "ends": eos_ids, "last_answer_only": scoring is not None}
     before = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
     vocab_record = None
     if new_vocab_from is not None:

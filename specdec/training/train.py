@@ -146,11 +146,13 @@ def pass_losses(net: HeadNet, tokens, feats, lengths, passes: int) -> list[torch
     return losses
 
 
-def answer_mask(tokens: torch.Tensor, header: list[int], ends: set[int]) -> torch.Tensor:
+def answer_mask(tokens: torch.Tensor, header: list[int], ends: set[int], last_only: bool = False) -> torch.Tensor:
     """``[B, L]`` bool: the positions of ``tokens`` ``[B, L]`` (-1 padded) inside an assistant's
     turn — after each occurrence of the chat template's assistant header ``header`` (e.g.
     ``<|im_start|>assistant\n``) up to and including the end-of-turn token (one of ``ends``), which
-    the head must learn to draft too."""
+    the head must learn to draft too. ``last_only``: the last assistant turn of each row alone —
+    the target's own answer in a row it generated, whose multi-turn context may hold a
+    human-written assistant turn."""
     n = len(header)
     if n == 0 or tokens.shape[1] < n:
         return torch.zeros(tokens.shape, dtype=torch.bool)
@@ -168,6 +170,8 @@ def answer_mask(tokens: torch.Tensor, header: list[int], ends: set[int]) -> torc
     last_end = torch.where(is_end, idx, -1).cummax(1).values
     end_before = torch.cat([torch.full_like(last_end[:, :1], -1), last_end[:, :-1]], 1)  # strictly before i
     out = (last_open >= 0) & (last_open > end_before)  # an answer opened and not yet ended (its end kept)
+    if last_only:
+        out = out & (last_open == last_open[:, -1:])  # opened by the row's last header
     return out & (tokens >= 0)
 
 
@@ -274,13 +278,14 @@ def train(net: HeadNet, data: Dataset, train_ids: list[int], cfg: TrainConfig, c
 @torch.no_grad()
 def evaluate(net: HeadNet, data: Dataset, ids: list[int], passes: int, full_rows: torch.Tensor,
              batch: int = 4, answer_header: list[int] | None = None, ends: set[int] | None = None,
-             temperature: float = 1.0) -> dict:
+             temperature: float = 1.0, last_answer_only: bool = False) -> dict:
     """Held-out acceptance per draft position, teacher-forced tokens, the head's own features:
     ``alpha[m]`` = mean over slots of sum_x min(p(x), q(x)) (the chance a sampled draft at step
     m is accepted, both at ``temperature``) and ``greedy[m]`` = how often argmax q == argmax p (greedy acceptance),
     both with ``p`` the target's full-vocabulary distribution (``full_rows`` [V, E]); and the
     subset's coverage of the target's argmax. With ``answer_header``, only the slots that
-    predict an assistant's token count (:func:`answer_mask`)."""
+    predict an assistant's token count (:func:`answer_mask`); with ``last_answer_only`` too, only
+    those of each row's last assistant turn (the target's own answer in a generated row)."""
     sums = {"alpha": [0.0] * passes, "greedy": [0.0] * passes, "count": [0] * passes}
     covered = total = 0
     subset = torch.zeros(full_rows.shape[0], dtype=torch.bool)
@@ -292,7 +297,7 @@ def evaluate(net: HeadNet, data: Dataset, ids: list[int], passes: int, full_rows
         slots = torch.arange(tokens.shape[1] - 1)
         inside = slots.view(1, -1) + 1 < lengths.view(-1, 1)
         if answer_header:
-            inside = inside & _slots_learned(answer_mask(tokens, answer_header, ends or set()))
+            inside = inside & _slots_learned(answer_mask(tokens, answer_header, ends or set(), last_answer_only))
         covered += int((subset[top] & inside).sum())
         total += int(inside.sum())
         for m, out in enumerate(net.passes(feats, tokens, passes), start=1):

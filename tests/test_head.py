@@ -397,3 +397,58 @@ def test_bf16_autocast_only_where_the_cpu_multiplies_bf16_natively():
     assert native_bf16(avx2 + " avx512f avx512_bf16")
     assert native_bf16(avx2 + " amx_bf16 amx_tile")
     assert not native_bf16(avx2 + " avx512f avx512_vnni")  # VNNI alone: int8, not bf16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "q4"])
+def test_hidden_layers_add_block_outputs_without_changing_a_bit(dtype):
+    """EAGLE-3's fused features (issue 29): ``hidden_layers`` returns the asked blocks' outputs
+    before the last block's, whose columns, the logits and the cache are the bits of a forward
+    without it (the per-layer loop against the q4 stack too); block i's output is what a model
+    truncated to i + 1 blocks returns as its hidden."""
+    from specdec.runtime import q4
+
+    if dtype == "q4" and not q4.available():
+        pytest.skip("the 4-bit kernel needs an AVX2 CPU")
+    model = ours(hf_tiny("qwen2", layers=3, seed=2), dtype)
+    e, ids = model.cfg.hidden_size, torch.tensor([[3, 14, 15, 92, 65, 35, 89]])
+    runs = []
+    for layers in ((), (0, 1)):
+        cache = model.new_cache(1, 16)
+        logits, hidden = model(ids, cache, return_hidden=True, hidden_layers=layers)
+        runs.append((logits, hidden, cache.k.clone()))
+    (logits0, hidden0, k0), (logits1, hidden1, k1) = runs
+    assert hidden1.shape == (1, 7, 3 * e)
+    assert torch.equal(hidden1[..., 2 * e :], hidden0) and torch.equal(logits1, logits0) and torch.equal(k1, k0)
+    for i in (0, 1):
+        _, early = model.truncated(i + 1)(ids, model.truncated(i + 1).new_cache(1, 16), return_hidden=True)
+        assert torch.equal(hidden1[..., i * e : (i + 1) * e], early)
+    for bad in ((1, 0), (2,), (-1,)):  # not increasing, the last block itself, negative
+        with pytest.raises(ValueError, match="hidden_layers"):
+            model(ids, model.new_cache(1, 16), return_hidden=True, hidden_layers=bad)
+
+
+def test_fused_head_is_a_superset_of_the_last_layer_head(fp32_target, tmp_path):
+    """A head over fused features whose ``fuse`` picks the last block's group ([0 | I]) computes
+    what the last-layer head with the same other weights does, at every draft step: the fusion
+    only adds inputs. Its weights round-trip through a head file; the runtime refuses it (not
+    drafted with yet) instead of misreading its features."""
+    target = fp32_target
+    e = target.cfg.hidden_size
+    last = _net(target, seed=8)
+    fused = HeadNet(dataclasses.replace(last.cfg, feature_layers=(0,)), last.vocab_ids, target.embed,
+                    target.final_norm, last.lm_rows, seed=9)
+    state = last.export() | {"fuse.weight": torch.cat([torch.zeros(e, e), torch.eye(e)], 1),
+                             "fuse_norm.weight": torch.ones(2, e)}
+    fused.load_export(state)
+    seq = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
+    both = features.prefill_features(target, seq, layers=(0,)).unsqueeze(0)  # [1, L, 2E]
+    with torch.no_grad():
+        got, want = fused.passes(both, torch.tensor([seq]), 3), last.passes(both[..., e:], torch.tensor([seq]), 3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    path = tmp_path / "fused.safetensors"
+    save_head(path, fused.cfg, fused.export(), fused.vocab_ids, {})
+    cfg, saved, ids, _ = read_head(path)
+    assert cfg.feature_layers == (0,) and saved["fuse.weight"].shape == (e, 2 * e)
+    with pytest.raises(ValueError, match="fused features"):
+        DraftHead(cfg, saved, ids, target, fused.lm_rows, "float32")

@@ -48,6 +48,12 @@ class HeadConfig:
     rope_theta: float
     attention_bias: bool
     target_vocab_size: int
+    # EAGLE-3's fusion: the target blocks whose outputs the first draft step reads besides the
+    # last block's (training only so far; benchmarks/feature_fusion.py). () = the last alone.
+    feature_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(self.feature_layers))  # a list when read from JSON
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, intermediate_size: int) -> "HeadConfig":
@@ -75,6 +81,8 @@ class DraftHead:
                 f"this head was trained for a target with vocabulary {cfg.target_vocab_size} and hidden size "
                 f"{cfg.hidden_size}; the target has {target.cfg.vocab_size} and {target.cfg.hidden_size}"
             )
+        if cfg.feature_layers:
+            raise ValueError("this head reads fused features (feature_layers); drafting with one is not supported yet")
         if vocab_ids.numel() > 1 and not bool((vocab_ids[1:] > vocab_ids[:-1]).all()):
             raise ValueError("a head's vocab_ids must be sorted and unique")
         self.cfg, self.target = cfg, target

@@ -298,6 +298,7 @@ class Transformer(torch.nn.Module):
         logit_index: torch.Tensor | None = None,
         return_hidden: bool = False,
         tree_base: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append input vectors ``x`` ``[B, T, E]`` (embedded tokens, or a draft head's projected
         features) to ``cache`` and return logits ``[B, T', V]`` (fp32).
@@ -312,6 +313,9 @@ class Transformer(torch.nn.Module):
             calls (a draft head expanding a candidate tree depth by depth). Slots before it are
             always visible; ``tree_mask`` is then ``[B, T, (lengths - tree_base) + T]`` and covers
             the earlier tree slots too. Default: the cache length (the tree is this block).
+        hidden_layers: with ``return_hidden``, the hidden returned is ``[B, T, (n + 1) E]``: the
+            outputs of these n blocks (0-based, in order), then the last block's (EAGLE-3's fused
+            low/middle/high features; head training). It runs the per-layer loop (the same bits).
         """
         bsz, t, _ = x.shape
         if bsz != cache.batch:
@@ -329,14 +333,21 @@ class Transformer(torch.nn.Module):
         rope = self._rope_for(positions)
         common_start = None if self.blocks[0].fused else cache.common_start(slots)  # a host sync; fused blocks need none
         x = x.contiguous()
-        if self.stack is not None and self.use_stack and self.blocks[0].fused:
+        kept = []  # [B, T, E] outputs of the hidden_layers blocks
+        if hidden_layers and not (return_hidden and list(hidden_layers) == sorted(set(hidden_layers))
+                                  and 0 <= hidden_layers[0] and hidden_layers[-1] < len(self.blocks) - 1):
+            raise ValueError(f"hidden_layers must be increasing block indices below {len(self.blocks) - 1} "
+                             f"(with return_hidden), got {hidden_layers}")
+        if self.stack is not None and self.use_stack and self.blocks[0].fused and not hidden_layers:
             vis = visible["global"]  # every layer in one call: Block._forward_fused's kernels, the same bits
             x = self.stack.forward(x, cache.k, cache.v, *rope["global"], slots, vis.lo, vis.hi, vis.extra_ptr, vis.extra)
         else:
-            for block in self.blocks:
+            for i, block in enumerate(self.blocks):
                 x = block.forward(x, cache, slots, common_start, rope, visible)  # (see Block._forward_fused)
+                if i in hidden_layers:
+                    kept.append(x.clone())
         cache.advance(t)
-        hidden = x  # [B, T, E]
+        hidden = torch.cat(kept + [x], -1) if kept else x  # [B, T, E], or [B, T, (n + 1) E] with hidden_layers
         if logit_index is not None:
             x = x.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         x = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps, self.cfg.is_gemma)

@@ -24,9 +24,11 @@ def shard_path(directory: Path, index: int) -> Path:
     return directory / f"features-{index:05d}.safetensors"
 
 
-def extract(target: Transformer, sequences: list[list[int]], directory: Path) -> None:
+def extract(target: Transformer, sequences: list[list[int]], directory: Path, layers: tuple[int, ...] = ()) -> None:
     """Write ``features-NNNNN.safetensors`` shards (``tokens`` [n, L] int32 padded with -1,
-    ``hidden`` [n, L, E] fp16) for ``sequences`` into ``directory``; existing shards are kept."""
+    ``hidden`` [n, L, E] fp16) for ``sequences`` into ``directory``; existing shards are kept.
+    ``layers``: also the outputs of these blocks, before the last block's (``hidden`` [n, L, G E],
+    G = len(layers) + 1; EAGLE-3's fused features)."""
     directory.mkdir(parents=True, exist_ok=True)
     shards = range(0, len(sequences), SHARD)
     todo = [s for s in shards if not shard_path(directory, s // SHARD).exists()]
@@ -37,15 +39,17 @@ def extract(target: Transformer, sequences: list[list[int]], directory: Path) ->
         for start in todo:
             rows = []
             for ids in sequences[start : start + SHARD]:
-                rows.append((ids, prefill_features(target, ids)))
+                rows.append((ids, prefill_features(target, ids, layers)))
                 bar.update(len(ids))
             write_shard(shard_path(directory, start // SHARD), rows)
 
 
-def prefill_features(target: Transformer, ids: list[int]) -> torch.Tensor:
-    """``[L, E]`` the target's last-block output at every position of ``ids`` (one prefill)."""
+def prefill_features(target: Transformer, ids: list[int], layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """``[L, E]`` the target's last-block output at every position of ``ids`` (one prefill);
+    ``[L, G E]`` with the outputs of blocks ``layers`` first (see :func:`extract`)."""
     kv = target.new_cache(1, len(ids))
-    _, hidden = target(torch.tensor([ids]), kv, logit_index=torch.tensor([[len(ids) - 1]]), return_hidden=True)
+    _, hidden = target(torch.tensor([ids]), kv, logit_index=torch.tensor([[len(ids) - 1]]), return_hidden=True,
+                       hidden_layers=layers)
     return hidden[0]
 
 

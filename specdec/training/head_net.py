@@ -33,6 +33,10 @@ class HeadNet(torch.nn.Module):
         self.norm_embed = torch.nn.Parameter(torch.ones(e))
         self.norm_in = torch.nn.Parameter(torch.ones(e))
         self.norm_post = torch.nn.Parameter(torch.ones(e))
+        groups = len(cfg.feature_layers) + 1
+        if groups > 1:  # EAGLE-3's fusion of the target's low/middle/last features (see first_feature)
+            self.norm_groups = torch.nn.Parameter(torch.ones(groups, e))
+            self.fuse = init(e, groups * e)
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
         self.embed, self.final_norm, self.lm_rows = embed, final_norm.float(), lm_rows.float()
         self._rope = rope_tables(cfg.rope_theta, cfg.head_dim, 4096)
@@ -54,6 +58,8 @@ class HeadNet(torch.nn.Module):
             out[LAYER + name + ".weight"] = self.linears[name.replace(".", "_")].detach().clone()
         for p, b in self.biases.items():
             out[LAYER + f"self_attn.{p}_proj.bias"] = b.detach().clone()
+        if self.cfg.feature_layers:
+            out["fuse.weight"], out["fuse_norm.weight"] = self.fuse.detach().clone(), self.norm_groups.detach().clone()
         return out
 
     def load_export(self, state: dict[str, torch.Tensor]) -> None:
@@ -67,11 +73,26 @@ class HeadNet(torch.nn.Module):
                 self.linears[name.replace(".", "_")].copy_(state[LAYER + name + ".weight"])
             for p, b in self.biases.items():
                 b.copy_(state[LAYER + f"self_attn.{p}_proj.bias"])
+            if self.cfg.feature_layers:
+                self.fuse.copy_(state["fuse.weight"])
+                self.norm_groups.copy_(state["fuse_norm.weight"])
 
     # -- forward ---------------------------------------------------------------------------------
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's final norm of its features ``[..., E]`` (what its output layer reads)."""
-        return rms_norm(hidden.float(), self.final_norm, self.cfg.rms_norm_eps, False)
+        """The target's final norm of its features ``[..., E]`` (what its output layer reads); of
+        fused features ``[..., G E]``, their last E columns: the last block's output."""
+        return rms_norm(hidden[..., -self.cfg.hidden_size :].float(), self.final_norm, self.cfg.rms_norm_eps, False)
+
+    def first_feature(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the first draft step reads ``[..., E]`` from the target's features: the last
+        block's output, or with ``feature_layers`` (EAGLE-3) the G blocks' outputs ``[..., G E]``,
+        each RMS-normalised with its own weight (the residual stream's scale grows with depth),
+        concatenated and projected G E -> E by ``fuse``."""
+        if not self.cfg.feature_layers:
+            return hidden.float()
+        groups = hidden.float().unflatten(-1, (-1, self.cfg.hidden_size))  # [..., G, E]
+        normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps) * self.norm_groups
+        return F.linear(normed.flatten(-2), self.fuse)
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's own logits over the subset from its features ``[..., E]`` -> ``[..., N]``."""
@@ -96,12 +117,13 @@ class HeadNet(torch.nn.Module):
         j = i-d from pass m-d). Pass m is only meaningful at slots i >= m-1.
         """
         cfg = self.cfg
-        bsz, length, e = hidden.shape
+        bsz, length = hidden.shape[:2]
+        e = cfg.hidden_size
         emb = self.embed[tokens.clamp(min=0)[:, 1:]].float()  # [B, L-1, E] the token after each slot
         emb = torch.cat([emb, emb.new_zeros(bsz, 1, e)], 1)  # [B, L, E] (the last slot has no next token)
         cos, sin = (t[:length].view(1, 1, length, -1) for t in self._rope)
         keys, values, outs = [], [], []
-        feats = hidden.float()
+        feats = self.first_feature(hidden)  # [B, L, E]
         for m in range(1, num_passes + 1):
             if m > 1:  # the previous pass's guess at the slot before
                 feats = torch.cat([feats.new_zeros(bsz, 1, e), outs[-1][:, :-1]], 1)

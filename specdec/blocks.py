@@ -59,11 +59,12 @@ class ChainBlock:
     def fit(self, max_depth: int, controller) -> "ChainBlock":
         return self  # a chain is already at most k <= max_depth long
 
-    def score(self, target, cache, last: torch.Tensor, want_hidden: bool):
+    def score(self, target, cache, last: torch.Tensor, want_hidden: bool, hidden_layers: tuple[int, ...] = ()):
         """One target call -> logits ``[B, k+1, V]`` (and features ``[B, k+1, E]`` when
-        ``want_hidden``, else None)."""
+        ``want_hidden``, else None; ``[B, k+1, G E]`` with ``hidden_layers``, see
+        :meth:`~specdec.runtime.model.Transformer.forward_embeds`)."""
         block = torch.cat([last.unsqueeze(1), self.proposal.tokens], 1)  # [B, k+1]
-        out = target(block, cache, return_hidden=want_hidden)
+        out = target(block, cache, return_hidden=want_hidden, hidden_layers=hidden_layers)
         return out if want_hidden else (out, None)
 
     def verify_sampled(self, probs: torch.Tensor, generator: torch.Generator, verifier) -> ChainVerification:
@@ -123,7 +124,7 @@ class TreeBlock:
             proposal = proposal.prune(controller.nodes(proposal))
         return TreeBlock(proposal)
 
-    def score(self, target, cache, last: torch.Tensor, want_hidden: bool):
+    def score(self, target, cache, last: torch.Tensor, want_hidden: bool, hidden_layers: tuple[int, ...] = ()):
         tokens, parents = self.proposal.tokens, self.proposal.parents  # [B, N]
         batch, n = tokens.shape
         mask = torch.zeros(batch, n + 1, n + 1, dtype=torch.bool)  # [B, N+1, N+1]
@@ -132,7 +133,7 @@ class TreeBlock:
         depth = torch.cat([torch.zeros(batch, 1, dtype=torch.long), self.proposal.node_depths], 1)  # [B, N+1]
         block = torch.cat([last.unsqueeze(1), tokens.clamp(min=0)], 1)  # [B, N+1]
         out = target(block, cache, tree_mask=mask, positions=cache.lengths.unsqueeze(1) + depth,
-                     return_hidden=want_hidden)
+                     return_hidden=want_hidden, hidden_layers=hidden_layers)
         return out if want_hidden else (out, None)
 
     def verify_sampled(self, probs: torch.Tensor, generator: torch.Generator, verifier) -> TreeVerification:

@@ -202,6 +202,8 @@ class Engine:
         # them (a later request reusing a row's KV needs its features too)
         self.keep_features = record_features or (prefix_cache is not None and reads_features)
         self.want_hidden = self.keep_features or reads_features
+        # the blocks whose outputs the features hold besides the last one's (EAGLE-3 fusion)
+        self.hidden_layers = proposer.feature_layers if reads_features else ()
         self.g_verify = torch.Generator().manual_seed(seed)
         self.g_draft = torch.Generator().manual_seed(seed + 1)
         self.cache = target.new_cache(0, capacity)
@@ -353,7 +355,8 @@ class Engine:
             lengths = torch.tensor([len(r) for r in rest[a:b]])
             width = int(lengths[0])
             padded = torch.tensor([r + [0] * (width - len(r)) for r in rest[a:b]])  # [n, T]
-            out = self.target(padded, part, logit_index=(lengths - 1).unsqueeze(1), return_hidden=self.want_hidden)
+            out = self.target(padded, part, logit_index=(lengths - 1).unsqueeze(1), return_hidden=self.want_hidden,
+                              hidden_layers=self.hidden_layers)
             logits.append(out[0] if self.want_hidden else out)  # [n, 1, V]
             part.truncate(part.lengths - width + lengths)
             rows.set_lengths(a, part.lengths)
@@ -395,7 +398,7 @@ class Engine:
         block = self._propose(controller, pending, tree)
         with self.timer.phase("target_forward"):
             before = self.cache.lengths.clone()
-            logits, hidden = block.score(self.target, self.cache, self.last, self.want_hidden)
+            logits, hidden = block.score(self.target, self.cache, self.last, self.want_hidden, self.hidden_layers)
         self.metrics.target_calls += 1
         with self.timer.phase("verification"):
             result = self._verify(self.rows, logits, block)

@@ -27,8 +27,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3]]
 SUBSET = 64  # of the tiny vocabulary's 97 ids: some ids are never drafted
 
 
-def _net(target, seed=0, vocab=SUBSET) -> HeadNet:
-    cfg = HeadConfig.for_target(target.cfg, intermediate_size=96)
+def _net(target, seed=0, vocab=SUBSET, layers=()) -> HeadNet:
+    cfg = dataclasses.replace(HeadConfig.for_target(target.cfg, intermediate_size=96), feature_layers=layers)
     ids = torch.arange(vocab) * (target.vocab_size // vocab) if vocab < target.vocab_size else torch.arange(vocab)
     rows = target.lm_head.weight  # a float32 target's output layer
     return HeadNet(cfg, ids, target.embed, target.final_norm, rows[ids].clone(), seed)
@@ -82,14 +82,18 @@ def trained(tmp_path_factory):
     return fp32, int8, net, data, log
 
 
-def test_runtime_head_equals_training_module_for_every_draft_step(fp32_target):
+@pytest.mark.parametrize("layers", [(), (0, 1)])
+def test_runtime_head_equals_training_module_for_every_draft_step(fp32_target, layers):
     """Pass m of HeadNet at slot i == drafting with the runtime head: true pairs up to slot
-    i-m+1 fed in one block, then m-1 single steps on the head's own guesses (teacher tokens)."""
+    i-m+1 fed in one block, then m-1 single steps on the head's own guesses (teacher tokens);
+    the last block's features, or EAGLE-3's fused ones (``layers``)."""
     target = fp32_target
-    net = _net(target, seed=1)
+    net = _net(target, seed=1, layers=layers)
+    if layers:  # a fusion that mixes every group (a fresh one's random init)
+        assert net.fuse.shape == (target.cfg.hidden_size, 3 * target.cfg.hidden_size)
     head = _runtime(net, target, "float32")
     seq = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14]
-    hidden = features.prefill_features(target, seq)  # [L, E]
+    hidden = features.prefill_features(target, seq, layers)  # [L, E] or [L, 3E]
     tokens = torch.tensor([seq])
     with torch.no_grad():
         outs = net.passes(hidden.unsqueeze(0), tokens, 3)
@@ -100,7 +104,7 @@ def test_runtime_head_equals_training_module_for_every_draft_step(fp32_target):
             _, guess = head(hidden[: first + 1].unsqueeze(0), tokens[:, 1 : first + 2], cache)
             guess = guess[:, -1:]
             for j in range(1, m):
-                _, guess = head(guess, tokens[:, first + 1 + j : first + 2 + j], cache)
+                _, guess = head(guess, tokens[:, first + 1 + j : first + 2 + j], cache, guessed=True)
             torch.testing.assert_close(guess[0, -1], outs[m - 1][0, i], atol=2e-5, rtol=1e-4)
     subset_logits = head(hidden[:4].unsqueeze(0), tokens[:, 1:5], head.new_cache(1, 8))[0]  # [1, 4, N]
     with torch.no_grad():
@@ -430,8 +434,7 @@ def test_hidden_layers_add_block_outputs_without_changing_a_bit(dtype):
 def test_fused_head_is_a_superset_of_the_last_layer_head(fp32_target, tmp_path):
     """A head over fused features whose ``fuse`` picks the last block's group ([0 | I]) computes
     what the last-layer head with the same other weights does, at every draft step: the fusion
-    only adds inputs. Its weights round-trip through a head file; the runtime refuses it (not
-    drafted with yet) instead of misreading its features."""
+    only adds inputs. Its weights round-trip through a head file."""
     target = fp32_target
     e = target.cfg.hidden_size
     last = _net(target, seed=8)
@@ -450,5 +453,22 @@ def test_fused_head_is_a_superset_of_the_last_layer_head(fp32_target, tmp_path):
     save_head(path, fused.cfg, fused.export(), fused.vocab_ids, {})
     cfg, saved, ids, _ = read_head(path)
     assert cfg.feature_layers == (0,) and saved["fuse.weight"].shape == (e, 2 * e)
-    with pytest.raises(ValueError, match="fused features"):
-        DraftHead(cfg, saved, ids, target, fused.lm_rows, "float32")
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_fused_feature_head_drafts_through_the_engine_token_identically(fp32_target, tree):
+    """The engine asks the target for the blocks the head fuses (prefill and every verified
+    block, chains and trees, through a hybrid too) and greedy output stays plain decoding's."""
+    target = fp32_target
+    net = _net(target, seed=10, layers=(0, 1))
+    head = _runtime(net, target, "float32")
+    proposer = HeadTreeProposer(head, 96, width=2, depth=3, tree_mode="always") if tree else HeadProposer(head, 96)
+    assert proposer.feature_layers == (0, 1)
+    plain = generate(target, PROMPTS, GREEDY, 12, proposer=None)
+    spec = generate(target, PROMPTS, GREEDY, 12, proposer=proposer, k=3)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    if not tree:
+        hybrid = HybridProposer(NgramProposer(2, 3), HeadProposer(_runtime(net, target, "float32"), 96))
+        assert hybrid.feature_layers == (0, 1)
+        out = generate(target, PROMPTS, GREEDY, 12, proposer=hybrid, k=3)
+        assert [r.token_ids for r in out] == [r.token_ids for r in plain]

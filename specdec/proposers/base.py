@@ -137,6 +137,9 @@ class Proposer(Protocol):
     # Whether the proposer reads the target's features (a draft head): the engine then passes the
     # last block's output of the prefill to ``add`` and of each verified block to ``observe``.
     wants_target_hidden: bool
+    # The target blocks whose outputs it reads besides the last block's (a draft head over
+    # EAGLE-3's fused features): the features passed are then [.., (n + 1) E]. () = the last alone.
+    feature_layers: tuple[int, ...]
     # What it can draft; the engine chooses each step's shape from it (tree_shape) and passes it
     # to ``propose``.
     tree_mode: TreeMode
@@ -187,6 +190,8 @@ class LookupProposer(Proposer, Protocol):
 class SingleSource:
     """What a proposer with one source of drafts declares for the engine: one adaptive-k
     controller ("default")."""
+
+    feature_layers: tuple[int, ...] = ()
 
     def next_source(self, pending: list[list[int]]) -> str:
         return "default"

@@ -26,6 +26,7 @@ class HeadProposer(SingleSource):
 
     def __init__(self, head: DraftHead, capacity: int) -> None:
         self.head, self.capacity = head, capacity
+        self.feature_layers = head.cfg.feature_layers  # the target features it reads (engine contract)
         self.cache: KVCache | None = None
         self.params: list[SamplingParams] = []
         self._committed = torch.zeros(0, dtype=torch.long)
@@ -72,7 +73,7 @@ class HeadProposer(SingleSource):
             if q is not None:
                 probs.append(q)  # [B, V]
             if i < k - 1:
-                logits, guess = self.head(guess, token, self.cache)
+                logits, guess = self.head(guess, token, self.cache, guessed=True)
         return Proposal(torch.cat(drafts, 1), torch.stack(probs, 1) if probs else None, caught_up=caught_up)
 
     def _catching_up(self) -> bool:
@@ -87,7 +88,7 @@ class HeadProposer(SingleSource):
         batch = len(self._tokens)
         counts = torch.tensor([len(t) for t in self._tokens])  # == len(feats) per row
         width = int(counts.max())
-        feats = torch.zeros(batch, width, self.head.cfg.hidden_size, dtype=self._feats[0].dtype)
+        feats = torch.zeros(batch, width, self._feats[0].shape[-1], dtype=self._feats[0].dtype)  # [B, W, G E]
         for b, f in enumerate(self._feats):
             feats[b, : f.shape[0]] = f
         tokens = torch.tensor([t + [0] * (width - len(t)) for t in self._tokens])
@@ -182,7 +183,7 @@ class HeadTreeProposer(HeadProposer):
             else:  # a node continues from the guess after its parent (fed one level up)
                 parent_slot = (width * (level - 2)) + _position_in(fed[-1], parents.gather(1, frontier))
                 feat = guesses.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, guesses.shape[-1]))
-            logits, out = self.head(feat, tokens.gather(1, frontier), self.cache,
+            logits, out = self.head(feat, tokens.gather(1, frontier), self.cache, guessed=True,
                                     tree_mask=self._mask(parents, fed, frontier),
                                     positions=(base + level - 1).unsqueeze(1).expand(-1, width), tree_base=base)
             fed.append(frontier)

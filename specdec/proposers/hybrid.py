@@ -32,6 +32,10 @@ class HybridProposer:
     def wants_target_hidden(self) -> bool:
         return self.model_draft.wants_target_hidden
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.model_draft.feature_layers
+
     def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
             target_hidden: torch.Tensor | None = None) -> None:
         self.lookup_side.add(prompts, params, generator)

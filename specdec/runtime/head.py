@@ -81,8 +81,6 @@ class DraftHead:
                 f"this head was trained for a target with vocabulary {cfg.target_vocab_size} and hidden size "
                 f"{cfg.hidden_size}; the target has {target.cfg.vocab_size} and {target.cfg.hidden_size}"
             )
-        if cfg.feature_layers:
-            raise ValueError("this head reads fused features (feature_layers); drafting with one is not supported yet")
         if vocab_ids.numel() > 1 and not bool((vocab_ids[1:] > vocab_ids[:-1]).all()):
             raise ValueError("a head's vocab_ids must be sorted and unique")
         self.cfg, self.target = cfg, target
@@ -97,17 +95,27 @@ class DraftHead:
         self.body.quantized_state = {}
         self.norm_feature = state["feature_norm.weight"].to(target.act_dtype)
         self.norm_embed = state["embed_norm.weight"].to(target.act_dtype)
+        if cfg.feature_layers:  # EAGLE-3's fusion (see HeadNet.first_feature)
+            self.fuse = LinearBuilder(dtype)("fuse", lambda: state["fuse.weight"])
+            self.norm_groups = state["fuse_norm.weight"].to(target.act_dtype)  # [G, E]
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return self.body.new_cache(batch, capacity)
 
     @torch.inference_mode()
-    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, cache: KVCache,
+    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, cache: KVCache, guessed: bool = False,
                  **options) -> tuple[torch.Tensor, torch.Tensor]:
         """``features`` ``[B, T, E]`` and the tokens that follow them ``[B, T]`` -> subset logits
-        ``[B, T', N]`` and the head's guesses of the next features ``[B, T, E]``. ``options``:
+        ``[B, T', N]`` and the head's guesses of the next features ``[B, T, E]``. ``features`` are
+        the target's (``[B, T, G E]`` for a head with ``feature_layers``, fused here), or with
+        ``guessed`` the head's own guesses ``[B, T, E]`` (later draft steps). ``options``:
         :meth:`Transformer.forward_embeds`'s (``logit_index``; ``tree_mask``/``positions``/``tree_base``)."""
         act, eps = self.target.act_dtype, self.cfg.rms_norm_eps
-        x = self.fc(torch.cat([rms_norm(features.to(act), self.norm_feature, eps, False),
+        features = features.to(act)
+        if self.cfg.feature_layers and not guessed:
+            groups = features.split(self.cfg.hidden_size, -1)  # G x [B, T, E]
+            features = self.fuse(torch.cat([rms_norm(g.contiguous(), w, eps, False)
+                                            for g, w in zip(groups, self.norm_groups)], -1))
+        x = self.fc(torch.cat([rms_norm(features, self.norm_feature, eps, False),
                                rms_norm(self.target.embed[tokens], self.norm_embed, eps, False)], -1))
         return self.body.forward_embeds(x.to(self.target.act_dtype), cache, return_hidden=True, **options)

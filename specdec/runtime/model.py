@@ -207,6 +207,7 @@ class Transformer(torch.nn.Module):
         linear.pack_all()
         self.stack = self._build_stack(self.blocks)
         self.use_stack = True  # tests and measurements compare it with the per-layer loop
+        self._segments: dict[tuple[int, ...], list] = {}  # hidden_layers -> [((first, end), stack)]
         self._rope_len = 0
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -222,6 +223,7 @@ class Transformer(torch.nn.Module):
         sliding = self.cfg.layer_is_sliding[:num_layers]
         view.cfg = dataclasses.replace(self.cfg, num_layers=num_layers, layer_is_sliding=sliding)
         view.stack = view._build_stack(view.blocks) if self.stack is not None else None
+        view._segments = {}
         return view
 
     def _build_stack(self, blocks):
@@ -229,6 +231,16 @@ class Transformer(torch.nn.Module):
         if not stack.eligible(blocks):
             return None
         return stack.build(blocks, self.cfg.rms_norm_eps, blocks[0].scale, self.cfg.num_heads)
+
+    def _stack_segments(self, hidden_layers: tuple[int, ...]) -> list:
+        """``[((first, end), stack)]``: the blocks cut after each of ``hidden_layers``, a stack
+        for each run (built once per layer set; the stacks share the blocks' weights)."""
+        if not hidden_layers:
+            return [((0, len(self.blocks)), self.stack)]
+        if hidden_layers not in self._segments:
+            cuts = [0] + [i + 1 for i in hidden_layers] + [len(self.blocks)]
+            self._segments[hidden_layers] = [((a, b), self._build_stack(self.blocks[a:b])) for a, b in zip(cuts, cuts[1:])]
+        return self._segments[hidden_layers]
 
     def with_output_rows(self, rows: torch.Tensor) -> "Transformer":
         """A view whose output layer computes logits for only some token ids: ``rows`` ``[N, E]``
@@ -315,7 +327,7 @@ class Transformer(torch.nn.Module):
             the earlier tree slots too. Default: the cache length (the tree is this block).
         hidden_layers: with ``return_hidden``, the hidden returned is ``[B, T, (n + 1) E]``: the
             outputs of these n blocks (0-based, in order), then the last block's (EAGLE-3's fused
-            low/middle/high features; head training). It runs the per-layer loop (the same bits).
+            low/middle/high features). The layer stack then runs in pieces (the same bits).
         """
         bsz, t, _ = x.shape
         if bsz != cache.batch:
@@ -338,9 +350,13 @@ class Transformer(torch.nn.Module):
                                   and 0 <= hidden_layers[0] and hidden_layers[-1] < len(self.blocks) - 1):
             raise ValueError(f"hidden_layers must be increasing block indices below {len(self.blocks) - 1} "
                              f"(with return_hidden), got {hidden_layers}")
-        if self.stack is not None and self.use_stack and self.blocks[0].fused and not hidden_layers:
+        if self.stack is not None and self.use_stack and self.blocks[0].fused:
             vis = visible["global"]  # every layer in one call: Block._forward_fused's kernels, the same bits
-            x = self.stack.forward(x, cache.k, cache.v, *rope["global"], slots, vis.lo, vis.hi, vis.extra_ptr, vis.extra)
+            for (a, b), run in self._stack_segments(tuple(hidden_layers)):  # one run unless hidden_layers cut it
+                x = run.forward(x, cache.k[a:b], cache.v[a:b], *rope["global"], slots, vis.lo, vis.hi, vis.extra_ptr,
+                                vis.extra)
+                if b < len(self.blocks):
+                    kept.append(x.clone())
         else:
             for i, block in enumerate(self.blocks):
                 x = block.forward(x, cache, slots, common_start, rope, visible)  # (see Block._forward_fused)

@@ -32,14 +32,6 @@ from specdec.training.run import answer_header
 from specdec.training.train import Dataset, TrainConfig, evaluate, head_config, precision, train, vocab_subset
 
 
-def fusion_layers(num_layers: int) -> tuple[int, ...]:
-    """The low and middle blocks whose outputs are fused with the last one's: the outputs of
-    blocks 1 and L/2 - 1 (0-based), i.e. the inputs of blocks 2 and L/2, vLLM's EAGLE-3 choice
-    for the low and middle features (its high one is block L-3's input; ours is the last block's
-    output, so that the last-only head reads a strict subset of the fused head's input)."""
-    return (1, num_layers // 2 - 1)
-
-
 class LastOnly(Dataset):
     """A fused-feature dataset seen through its last E columns (the last block's output)."""
 
@@ -65,7 +57,7 @@ def main() -> None:
 
     gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
     model = gen.target.model
-    layers = fusion_layers(model.cfg.num_layers)
+    layers = features.fused_layers(model.cfg.num_layers)
     encode = lambda msgs: gen.encode_chat(msgs, add_generation_prompt=False)  # noqa: E731
     args.workdir.mkdir(parents=True, exist_ok=True)
     corpus_path = args.corpus or args.workdir / "corpus-sharegpt-1024.json"

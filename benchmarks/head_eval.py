@@ -75,8 +75,9 @@ def main() -> None:
 
     out = {"head": path.name, "target": gen.target.name, "dtype": args.dtype, "cpu": cpu_name(), "sets": {}}
     for name in sets:
-        held = (held_out_sharegpt(gen.target, workdir, gen.encode_chat, 1024) if name == "sharegpt" else
-                held_out_own_answers(gen.target, workdir, gen.encode_chat, gen.eos_token_ids))
+        layers = head_cfg.feature_layers  # a fused head's held-out features are stored apart
+        held = (held_out_sharegpt(gen.target, workdir, gen.encode_chat, 1024, layers=layers) if name == "sharegpt" else
+                held_out_own_answers(gen.target, workdir, gen.encode_chat, gen.eos_token_ids, layers))
         result = out["sets"][name] = {"held_out_windows": len(held), "by_temperature": {}}
         for t in [float(x) for x in args.temperatures.split(",")]:
             start = time.perf_counter()

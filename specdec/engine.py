@@ -166,6 +166,9 @@ class Engine:
 
     ``capacity``: KV slots per row (:func:`kv_capacity` of prompt + max_new_tokens must fit;
     requests that do not are refused by :meth:`add`). ``max_batch``: rows decoded together (the others wait).
+    ``record_features``: each row keeps the target's features of its positions (head training's
+    own answers); ``feature_layers``: they hold these blocks' outputs too (EAGLE-3's fused features;
+    a proposer that reads features brings its own).
     ``k``: draft tokens per step, or "auto" (one :class:`AdaptiveK` / :class:`TreeBudget` per
     proposer source, from measured costs and acceptance). ``seed`` seeds the engine's own streams
     (rejection sampling of requests without a seed, and the proposer's draws). ``verifier`` has
@@ -174,7 +177,7 @@ class Engine:
 
     def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
                  k_max: int = K_MAX, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
-                 max_batch: int | None = None, record_features: bool = False,
+                 max_batch: int | None = None, record_features: bool = False, feature_layers: tuple[int, ...] = (),
                  prefix_cache: PrefixCache | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
@@ -203,7 +206,10 @@ class Engine:
         self.keep_features = record_features or (prefix_cache is not None and reads_features)
         self.want_hidden = self.keep_features or reads_features
         # the blocks whose outputs the features hold besides the last one's (EAGLE-3 fusion)
-        self.hidden_layers = proposer.feature_layers if reads_features else ()
+        self.hidden_layers = proposer.feature_layers if reads_features else tuple(feature_layers)
+        if feature_layers and (not record_features or tuple(feature_layers) != self.hidden_layers):
+            raise ValueError(f"feature_layers {feature_layers} applies to record_features, and must match what the "
+                             f"proposer reads ({self.hidden_layers})")
         self.g_verify = torch.Generator().manual_seed(seed)
         self.g_draft = torch.Generator().manual_seed(seed + 1)
         self.cache = target.new_cache(0, capacity)

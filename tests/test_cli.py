@@ -359,3 +359,47 @@ def test_request_metrics_carry_no_all_zero_time_breakdown(capsys, model_dir):
     result = json.loads(out)
     assert code == 0 and "time_breakdown_s" not in result["request_metrics"]
     assert any(v > 0 for v in result["metrics"]["time_breakdown_s"].values())
+
+
+def test_train_head_with_fused_features_then_generate_with_it(capsys, tmp_path):
+    """`train-head --fused-features` (EAGLE-3): features of a low, a middle and the last block,
+    stored apart from the last-only ones, a head that records which blocks it reads (and says so
+    on its card), stage 2 from it generating fused features too; `generate` with it asks the
+    target for those blocks and gives plain decoding's greedy tokens."""
+    from specdec.models.heads import read_head
+
+    hf = hf_tiny("llama")
+    model = save_hf_dir(hf, tmp_path / "model")
+    tok_config = model / "tokenizer_config.json"
+    config = json.loads(tok_config.read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tok_config.write_text(json.dumps(config))
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for i in range(60):  # more than the corpus takes: stage 2's prompts come from unused files
+        (sources / f"m{i}.py").write_text("".join(f"def g{i}_{j}(y):\n    return y * {j}\n\n" for j in range(30)))
+    out, work = tmp_path / "fused.safetensors", tmp_path / "work"
+    args = ["train-head", "--target", str(model), "--dtype", "float32", "--out", str(out), "--tokens", "8000",
+            "--steps", "2", "--batch", "2", "--vocab-size", "64", "--intermediate-size", "64", "--passes", "2",
+            "--corpus-root", str(sources), "--workdir", str(work), "--fused-features"]
+    code, stdout, err = _run(capsys, *args)
+    assert code == 0, err
+    cfg, state, _, card = read_head(out)
+    assert cfg.feature_layers == (0, 1) and state["fuse.weight"].shape == (64, 3 * 64)  # 3 blocks: 0, 1 and 2
+    assert "fused (EAGLE-3)" in card["features"] and "--fused-features" in card["command"]
+    assert "fused (EAGLE-3)" in out.with_suffix(".md").read_text()
+    assert list((work / "features-fused-0-1").glob("features-*.safetensors")) and not (work / "features").exists()
+    out2 = tmp_path / "fused2.safetensors"
+    code, _, err = _run(capsys, "train-head", "--target", str(model), "--dtype", "float32", "--out", str(out2),
+                        "--tokens", "8000", "--corpus-root", str(sources), "--workdir", str(work), "--init-head", str(out),
+                        "--answer-batches", "1", "--finetune-steps", "1")
+    assert code == 0, err
+    assert read_head(out2)[0].feature_layers == (0, 1) and (work / "own-answers-fused-0-1").is_dir()
+    base = ["generate", "--target", str(model), "--dtype", "float32", "--prompt", "def g(y):", "--max-new-tokens", "10",
+            "--json"]
+    code, plain, err = _run(capsys, *base, "--proposer", "none")
+    assert code == 0, err
+    for proposer in ("head", "hybrid-tree"):
+        code, spec, err = _run(capsys, *base, "--proposer", proposer, "--head", str(out2), "--k", "3")
+        assert code == 0, err
+        assert json.loads(spec)["token_ids"] == json.loads(plain)["token_ids"]

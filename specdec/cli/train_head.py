@@ -62,6 +62,10 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="stage 2: re-choose the ids the head drafts (as many as before) from the corpus "
                    "sequences used and the own answers, 3/4 by frequency and the rest by the tokenizer's merge "
                    "order; the head's layer is kept (default: keep the head's ids)")
+    p.add_argument("--fused-features", action="store_true",
+                   help="EAGLE-3's features: a new head reads a low, a middle and the last block's outputs "
+                   "(fused by a learned projection) instead of the last alone; stored 3x wider, under their own "
+                   "names in --workdir (default: the last block's; a head from --init-head reads what it was made for)")
     p.add_argument("--finetune-steps", type=int_at_least(0), default=0, help="stage 2 fine-tuning steps (default: 0)")
     p.add_argument("--init-head", default=None, metavar="FILE",
                    help="start from this head (made earlier for the same target): with --answer-batches and "
@@ -111,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--answers-only needs --label-top-k")
     card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
                args.answer_batches, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,
-               source=source, seq_len=seq_len, extract_only=args.extract_only, new_vocab=args.new_vocab)
+               source=source, seq_len=seq_len, extract_only=args.extract_only, new_vocab=args.new_vocab,
+               fused=args.fused_features)
     if card is None:
         print(f"features written under {workdir}; rerun without --extract-only to train")
         return 0

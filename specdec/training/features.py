@@ -20,6 +20,15 @@ from specdec.runtime.model import Transformer
 SHARD = 16
 
 
+def fused_layers(num_layers: int) -> tuple[int, ...]:
+    """The low and middle blocks whose outputs EAGLE-3's fused features hold before the last
+    block's: blocks 1 and L/2 - 1 (0-based), i.e. the inputs of blocks 2 and L/2, vLLM's choice for
+    its low and middle features (its high one is block L-3's input; here the last block's output,
+    so that a last-only head reads a strict subset of a fused head's input). A shallow model gets
+    those of them below its last block."""
+    return tuple(sorted({1, num_layers // 2 - 1} & set(range(num_layers - 1))))
+
+
 def shard_path(directory: Path, index: int) -> Path:
     return directory / f"features-{index:05d}.safetensors"
 
@@ -67,13 +76,14 @@ def load_shards(directory: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def generate_with_features(target: Transformer, prompts: list[list[int]], params, max_new_tokens: int,
-                           eos_token_ids, seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
+                           eos_token_ids, seed: int = 0, layers: tuple[int, ...] = ()) -> list[tuple[list[int], torch.Tensor]]:
     """The target's own answers to ``prompts`` with its features at every position of prompt and
-    answer but the last (whose feature is never computed): ``[(ids, hidden [len(ids) - 1, E])]``."""
+    answer but the last (whose feature is never computed): ``[(ids, hidden [len(ids) - 1, E])]``
+    (``[.., G E]`` with ``layers``, see :func:`extract`)."""
     from specdec.engine import Engine, Request, kv_capacity, steps
 
     engine = Engine(target, capacity=kv_capacity(max(map(len, prompts)) + max_new_tokens, 0, 0), k_max=0,
-                    eos_token_ids=eos_token_ids, seed=seed, record_features=True)
+                    eos_token_ids=eos_token_ids, seed=seed, record_features=True, feature_layers=layers)
     rows = [engine.add(Request(p, params, max_new_tokens)) for p in prompts]
     for _ in steps(engine, rows):
         pass

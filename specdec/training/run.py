@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         eos_ids: set[int], max_sequences: int | None = None, corpus_root: Path | None = None,
         answer_batches: int = 0, finetune_steps: int = 0, encode_chat=None, init_head: Path | None = None,
         source: str = "python-docs", seq_len: int = 512, extract_only: bool = False,
-        new_vocab: bool = False) -> dict | None:
+        new_vocab: bool = False, fused: bool = False) -> dict | None:
     """Train a head for ``target`` (its runtime dtype is the one whose features the head learns
     to read) and write it to ``out``; returns the model card.
 
@@ -48,8 +48,15 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     after the feature shards are written (a long extraction in stages), or with ``answer_batches``
     after the own answers are generated; returns None then. ``new_vocab``: stage 2 re-chooses the
     ids the head drafts from the corpus sequences used and the own answers (see
-    :func:`_finetune_on_own_answers`)."""
+    :func:`_finetune_on_own_answers`). ``fused``: a new head reads EAGLE-3's fused features
+    (:func:`features.fused_layers`), stored under their own names in ``workdir``; a head from
+    ``init_head`` reads what it was made to read."""
     workdir.mkdir(parents=True, exist_ok=True)
+    layers = features.fused_layers(target.model.cfg.num_layers) if fused else ()
+    if init_head is not None:
+        layers = read_head(init_head)[0].feature_layers
+        if fused and not layers:
+            raise ValueError(f"init_head {init_head} reads the last block's features alone; fused needs a fused head")
     corpus_path = workdir / ("corpus.json" if source == "python-docs" else f"corpus-{source}-{seq_len}.json")
     stages = {}
     t = time.perf_counter()
@@ -69,25 +76,25 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     if extract_only:  # everything training will read: the held-out set first (the "before" figures)
         if answer_batches:  # stage 2's data alone: the target's own answers
             if source == "sharegpt":
-                held_out_own_answers(target, workdir, encode_chat, eos_ids)
-            own_answers(target, _own_answer_dir(workdir, source),
+                held_out_own_answers(target, workdir, encode_chat, eos_ids, layers)
+            own_answers(target, _own_answer_dir(workdir, source, layers),
                         answer_prompts(source, answer_batches * ANSWER_BATCH, encode_chat, sources, corpus_root),
-                        answer_batches, eos_ids, encode_chat)
+                        answer_batches, eos_ids, encode_chat, layers)
             return None
         if source == "sharegpt":
-            held_out_sharegpt(target, workdir, encode_chat, seq_len)
-        features.extract(target.model, sequences, workdir / _features_dir(source, seq_len))
+            held_out_sharegpt(target, workdir, encode_chat, seq_len, layers=layers)
+        features.extract(target.model, sequences, workdir / _features_dir(source, seq_len, layers), layers)
         return None
     model = target.model
     full_rows = heads.output_rows(target)  # [V, E] the target's output layer in fp32
     if init_head is not None and not (answer_batches and finetune_steps):
         card = _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_rows, init_head, encode_chat,
-                                   source, seq_len, out)
+                                   source, seq_len, out, layers)
         return card
     if init_head is None:
         card, net, dataset, train_ids = _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages,
-                                                workdir / _features_dir(source, seq_len))
-        command = _stage1_command(target, max_tokens, max_sequences, cfg)
+                                                workdir / _features_dir(source, seq_len, layers), layers)
+        command = _stage1_command(target, max_tokens, max_sequences, cfg) + (" --fused-features" if layers else "")
     else:
         head_cfg, state, vocab_ids, card = read_head(init_head)
         if card.get("target") != target.name or card.get("target_dtype") != model.dtype_name:
@@ -110,10 +117,11 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     if answer_batches and finetune_steps:
         finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answer_batches,
                                             finetune_steps, eos_ids, encode_chat, full_rows, corpus_root, source,
-                                            new_vocab_from=sequences if new_vocab else None)
+                                            new_vocab_from=sequences if new_vocab else None, layers=layers)
         card["finetune"] = finetune
     stage2 = (f" --answer-batches {answer_batches} --finetune-steps {finetune_steps}"
               + (" --new-vocab" if new_vocab else "")) if finetune else ""
+    card["features"] = _features_read(layers, model.cfg.num_layers)
     if init_head is None:
         card["command"] = command + stage2 + f" --out {out.name}"
     else:
@@ -128,8 +136,20 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     return card
 
 
-def _features_dir(source: str, seq_len: int) -> str:
-    return "features" if source == "python-docs" else f"features-{source}-{seq_len}"
+def _features_dir(source: str, seq_len: int, layers: tuple[int, ...] = ()) -> str:
+    return ("features" if source == "python-docs" else f"features-{source}-{seq_len}") + _fused_suffix(layers)
+
+
+def _features_read(layers: tuple[int, ...], num_layers: int) -> str:
+    """The card's words for what the head reads."""
+    if not layers:
+        return "the target's last block output"
+    return f"fused (EAGLE-3): the outputs of blocks {', '.join(map(str, layers))} and {num_layers - 1} (0-based)"
+
+
+def _fused_suffix(layers: tuple[int, ...]) -> str:
+    """What tells fused feature shards from the last block's in a work directory's names."""
+    return "".join(f"-{i}" for i in ("fused",) + layers) if layers else ""
 
 
 def _build_corpus(target, source, max_tokens, seq_len, seed, root, encode_chat) -> dict:
@@ -150,19 +170,20 @@ def _build_corpus(target, source, max_tokens, seq_len, seed, root, encode_chat) 
     return data
 
 
-def _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages, feature_dir):
+def _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages, feature_dir, layers=()):
     """Features of the corpus, the vocabulary subset, training and held-out evaluation; returns the
     card so far, the head, the corpus dataset and its training ids."""
     t = time.perf_counter()
-    features.extract(target.model, sequences, feature_dir)
+    features.extract(target.model, sequences, feature_dir, layers)
     stages["extract_seconds_this_run"] = round(time.perf_counter() - t, 1)
     shards = features.load_shards(feature_dir)[: (len(sequences) + features.SHARD - 1) // features.SHARD]
     dataset = Dataset(shards)
     train_ids, held_ids = split(len(dataset), cfg.held_out_every)
     model = target.model
     vocab_ids = vocab_subset([dataset.rows[i][0] for i in train_ids], cfg.vocab_size, eos_ids, model.vocab_size)
-    net = HeadNet(head_config(model.cfg, cfg), vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], cfg.seed)
-    log = train(net, dataset, train_ids, cfg, workdir / "checkpoint.pt")
+    net = HeadNet(replace(head_config(model.cfg, cfg), feature_layers=layers), vocab_ids, model.embed, model.final_norm,
+                  full_rows[vocab_ids], cfg.seed)
+    log = train(net, dataset, train_ids, cfg, workdir / f"checkpoint{_fused_suffix(layers)}.pt")
     write_json(workdir / "losses.json", log)
     t = time.perf_counter()
     scores = evaluate(net, dataset, held_ids, cfg.passes, full_rows)
@@ -193,7 +214,8 @@ def answer_header(encode_chat) -> list[int]:
     return with_prompt[len(without):]
 
 
-def held_out_sharegpt(target, workdir: Path, encode_chat, seq_len: int, tokens: int = 12_000) -> Dataset:
+def held_out_sharegpt(target, workdir: Path, encode_chat, seq_len: int, tokens: int = 12_000,
+                      layers: tuple[int, ...] = ()) -> Dataset:
     """Features of the held-out ShareGPT conversations (a split by conversation id: never trained
     on), about ``tokens`` of them; extracted once into the work directory. 12k tokens (~6k of them
     answers) put a standard error of ~0.006 on an acceptance rate, and cost ~7 minutes of one core
@@ -207,13 +229,13 @@ def held_out_sharegpt(target, workdir: Path, encode_chat, seq_len: int, tokens: 
         data = sharegpt.build(lambda msgs: encode_chat(msgs, add_generation_prompt=False), seq_len, tokens,
                               split="held_out")
         corpus.save(data, path)
-    directory = workdir / f"features-sharegpt-{seq_len}-held-out-{tokens}"
-    features.extract(target.model, data["sequences"], directory)
+    directory = workdir / f"features-sharegpt-{seq_len}-held-out-{tokens}{_fused_suffix(layers)}"
+    features.extract(target.model, data["sequences"], directory, layers)
     return Dataset(features.load_shards(directory))
 
 
 def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_rows, init_head, encode_chat, source,
-                        seq_len, out) -> dict:
+                        seq_len, out, layers=()) -> dict:
     """Stage 1 from an existing head (``init_head``, same target): train it further on the
     corpus's features (top-k labels, answers only when ``cfg.answers_only``), then evaluate the
     head before and after on held-out ShareGPT conversations; returns the card."""
@@ -223,15 +245,15 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
         raise ValueError(f"init_head {init_head} was trained for another target")
     net = HeadNet(head_cfg, vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], cfg.seed)
     net.load_export(state)
-    feature_dir = workdir / _features_dir(source, seq_len)
+    feature_dir = workdir / _features_dir(source, seq_len, layers)
     t = time.perf_counter()
-    features.extract(model, sequences, feature_dir)
+    features.extract(model, sequences, feature_dir, layers)
     extract_s = time.perf_counter() - t
     shards = features.load_shards(feature_dir)[: (len(sequences) + features.SHARD - 1) // features.SHARD]
     dataset = Dataset(shards)
     header = answer_header(encode_chat) if cfg.answers_only else None
     if source == "sharegpt":  # held out by conversation, never trained on
-        held, train_ids = held_out_sharegpt(target, workdir, encode_chat, seq_len), list(range(len(dataset)))
+        held, train_ids = held_out_sharegpt(target, workdir, encode_chat, seq_len, layers=layers), list(range(len(dataset)))
         held_ids = list(range(len(held)))
     else:
         held = dataset
@@ -239,7 +261,7 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
     # batch 1: the target's full-vocabulary p of a 1,024-token window is 0.6 GB in fp32 (batch 4
     # with its temporaries was killed for memory on a 24 GB machine)
     before = evaluate(net, held, held_ids, cfg.passes, full_rows, batch=1, answer_header=header, ends=eos_ids)
-    log = train(net, dataset, train_ids, cfg, workdir / f"finetune-{source}-{seq_len}.pt",
+    log = train(net, dataset, train_ids, cfg, workdir / f"finetune-{source}-{seq_len}{_fused_suffix(layers)}.pt",
                 answer_header=header, ends=eos_ids)
     write_json(workdir / f"losses-{source}-{seq_len}.json", log)
     after = evaluate(net, held, held_ids, cfg.passes, full_rows, batch=1, answer_header=header, ends=eos_ids)
@@ -257,6 +279,7 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
                           "answers_only": header is not None, "before": before, "after": after},
     }
     card["held_out"] = after
+    card["features"] = _features_read(layers, model.cfg.num_layers)
     card["command"] = (f"specdec train-head --target {target.name} --dtype {model.dtype_name} --corpus {source} "
                        f"--seq-len {seq_len} --sequences {len(sequences)} --init-head {init_head.name} "
                        f"--steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr} --label-top-k {cfg.label_top_k}"
@@ -275,7 +298,8 @@ def _stage1_command(target, max_tokens, max_sequences, cfg) -> str:
             f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed}")
 
 
-def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int, eos_ids, encode_chat) -> Dataset:
+def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int, eos_ids, encode_chat,
+                layers: tuple[int, ...] = ()) -> Dataset:
     """The target's answers to ``prompts``, ``ANSWER_BATCH`` at a time (greedy and T = 0.7 in
     turn), with its features recorded while it generates: one shard per batch in ``directory``,
     so an interrupted run resumes at the first missing batch."""
@@ -292,7 +316,8 @@ def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int
             continue
         ids = [encode_chat(p)[-min(384, room // 2):] for p in group]  # a long prompt's end: the assistant's turn
         params = SamplingParams(temperature=ANSWER_TEMPERATURES[b % len(ANSWER_TEMPERATURES)])
-        rows = features.generate_with_features(target.model, ids, params, min(ANSWER_TOKENS, room // 2), eos_ids, seed=b)
+        rows = features.generate_with_features(target.model, ids, params, min(ANSWER_TOKENS, room // 2), eos_ids, seed=b,
+                                               layers=layers)
         features.write_shard(path, rows)
         made += sum(len(r[0]) for r in rows)
         cache.notice(f"own answers: batch {b + 1}/{batches} in {directory.name} "
@@ -315,21 +340,22 @@ NEW_VOCAB_FREQUENT_SHARE = 0.75  # chosen on held-out own answers (see vocab_sub
 HELD_OUT_ANSWER_BATCHES = 2  # 32 held-out ShareGPT requests, ~7k answer tokens: a standard error of ~0.006
 
 
-def held_out_own_answers(target, workdir: Path, encode_chat, eos_ids) -> Dataset:
+def held_out_own_answers(target, workdir: Path, encode_chat, eos_ids, layers: tuple[int, ...] = ()) -> Dataset:
     """The target's own answers to held-out ShareGPT requests (conversations never trained on):
     the text a head drafts at inference, so the evaluation closest to the bench's."""
     prompts = answer_prompts("sharegpt", HELD_OUT_ANSWER_BATCHES * ANSWER_BATCH, encode_chat, set(), None,
                              split="held_out")
-    return own_answers(target, workdir / "own-answers-sharegpt-held-out", prompts, HELD_OUT_ANSWER_BATCHES,
-                       eos_ids, encode_chat)
+    return own_answers(target, workdir / f"own-answers-sharegpt-held-out{_fused_suffix(layers)}", prompts,
+                       HELD_OUT_ANSWER_BATCHES, eos_ids, encode_chat, layers)
 
 
-def _own_answer_dir(workdir: Path, source: str) -> Path:
-    return workdir / ("own-answers" if source == "python-docs" else f"own-answers-{source}")
+def _own_answer_dir(workdir: Path, source: str, layers: tuple[int, ...] = ()) -> Path:
+    return workdir / (("own-answers" if source == "python-docs" else f"own-answers-{source}") + _fused_suffix(layers))
 
 
 def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, batches, steps,
-                             eos_ids, encode_chat, full_rows, corpus_root, source, new_vocab_from=None) -> dict:
+                             eos_ids, encode_chat, full_rows, corpus_root, source, new_vocab_from=None,
+                             layers=()) -> dict:
     """Stage 2: the target answers requests (:func:`answer_prompts`; greedy and T = 0.7 in turn,
     its features recorded while it generates), then the head is fine-tuned on those answers mixed
     with as many corpus sequences (none when stage 1 ran earlier: ``corpus_data`` is empty), at a
@@ -338,9 +364,9 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
     net.load_export({k: v.half() for k, v in net.export().items()})  # start from the stage-1 head as saved (fp16)
     t = time.perf_counter()
     prompts = answer_prompts(source, batches * ANSWER_BATCH, encode_chat, used_sources, corpus_root)
-    own = own_answers(target, _own_answer_dir(workdir, source), prompts, batches, eos_ids, encode_chat)
+    own = own_answers(target, _own_answer_dir(workdir, source, layers), prompts, batches, eos_ids, encode_chat, layers)
     if source == "sharegpt":
-        held = held_out_own_answers(target, workdir, encode_chat, eos_ids)
+        held = held_out_own_answers(target, workdir, encode_chat, eos_ids, layers)
         own_train, own_held = list(range(len(own))), list(range(len(own), len(own) + len(held)))
     else:
         held = Dataset([])
@@ -368,7 +394,8 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
                         "before_training": evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)}
     ft_cfg = TrainConfig(**{**asdict(cfg), "steps": steps, "lr": cfg.lr * 0.3, "warmup": 5, "seed": cfg.seed + 1,
                             "checkpoint_every": 10})
-    log = train(net, mixed, train_ids, ft_cfg, workdir / f"finetune-own-{source}.pt", answer_header=header,
+    log = train(net, mixed, train_ids, ft_cfg, workdir / f"finetune-own-{source}{_fused_suffix(layers)}.pt",
+                answer_header=header,
                 ends=eos_ids)
     after = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
     record = {"own_answer_sequences": len(own), "own_answer_tokens": sum(r[0].shape[0] for r in own.rows),
@@ -440,6 +467,7 @@ def card_markdown(card: dict, file_name: str) -> str:
 An EAGLE-style draft head for **{card['target']}** (features of its `{card['target_dtype']}` runtime),
 trained by `specdec train-head` on a CPU ({card.get('training_precision', 'fp32')}). See `specdec/runtime/head.py`.
 
+- **Reads:** {card.get('features', "the target's last block output")}.
 - **Architecture:** RMS-normalised target feature + token embedding -> fc (2E -> E) -> one decoder
   layer (the target's attention shape, MLP width {t['intermediate_size']}) -> the target's final norm
   and output rows for {t['vocab_size']} token ids (the rest are never drafted).

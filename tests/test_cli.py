@@ -395,6 +395,22 @@ def test_train_head_with_fused_features_then_generate_with_it(capsys, tmp_path):
                         "--answer-batches", "1", "--finetune-steps", "1")
     assert code == 0, err
     assert read_head(out2)[0].feature_layers == (0, 1) and (work / "own-answers-fused-0-1").is_dir()
+    # a last-block head made fused: it starts as the same function (fuse = [0 | 0 | I]) and trains on
+    out3, plain_head = tmp_path / "from-last.safetensors", tmp_path / "last.safetensors"
+    code, _, err = _run(capsys, *[a if a != str(out) else str(plain_head) for a in args if a != "--fused-features"])
+    assert code == 0, err
+    assert read_head(plain_head)[0].feature_layers == () and (work / "features").is_dir()
+    code, _, err = _run(capsys, "train-head", "--target", str(model), "--dtype", "float32", "--out", str(out3),
+                        "--tokens", "8000", "--corpus-root", str(sources), "--workdir", str(work),
+                        "--init-head", str(plain_head), "--fused-features", "--steps", "1", "--batch", "2",
+                        "--label-top-k", "8")
+    assert code == 0, err
+    cfg3, _, _, card3 = read_head(out3)
+    assert cfg3.feature_layers == (0, 1) and "fused" in card3["features"]
+    # before training, on the same held-out windows: the last-block head's own scores (fp16 file rounding aside)
+    was, before = json.loads(plain_head.with_suffix(".json").read_text())["held_out"], card3["held_out_eval"]["before"]
+    for key in ("greedy", "alpha"):
+        assert all(abs(a - b) < 0.02 for a, b in zip(was[key], before[key][:2])), (was, before)
     base = ["generate", "--target", str(model), "--dtype", "float32", "--prompt", "def g(y):", "--max-new-tokens", "10",
             "--json"]
     code, plain, err = _run(capsys, *base, "--proposer", "none")

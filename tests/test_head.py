@@ -432,7 +432,8 @@ def test_hidden_layers_add_block_outputs_without_changing_a_bit(dtype):
 
 
 def test_fused_head_is_a_superset_of_the_last_layer_head(fp32_target, tmp_path):
-    """A head over fused features whose ``fuse`` picks the last block's group ([0 | I]) computes
+    """A head over fused features whose ``fuse`` picks the last block's group ([0 | I],
+    ``fuse_as_last_only``: how train-head turns a trained head into a fused one) computes
     what the last-layer head with the same other weights does, at every draft step: the fusion
     only adds inputs. Its weights round-trip through a head file."""
     target = fp32_target
@@ -440,9 +441,8 @@ def test_fused_head_is_a_superset_of_the_last_layer_head(fp32_target, tmp_path):
     last = _net(target, seed=8)
     fused = HeadNet(dataclasses.replace(last.cfg, feature_layers=(0,)), last.vocab_ids, target.embed,
                     target.final_norm, last.lm_rows, seed=9)
-    state = last.export() | {"fuse.weight": torch.cat([torch.zeros(e, e), torch.eye(e)], 1),
-                             "fuse_norm.weight": torch.ones(2, e)}
-    fused.load_export(state)
+    fused.load_export(last.export() | fused.fuse_as_last_only())
+    assert torch.equal(fused.fuse, torch.cat([torch.zeros(e, e), torch.eye(e)], 1))
     seq = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
     both = features.prefill_features(target, seq, layers=(0,)).unsqueeze(0)  # [1, L, 2E]
     with torch.no_grad():

@@ -77,7 +77,18 @@ class HeadNet(torch.nn.Module):
                 self.fuse.copy_(state["fuse.weight"])
                 self.norm_groups.copy_(state["fuse_norm.weight"])
 
-    # -- forward ---------------------------------------------------------------------------------
+    def fuse_as_last_only(self) -> dict[str, torch.Tensor]:
+        """Fusion weights under which this head computes what a head reading the last block's
+        features alone does (``fuse`` = [0 .. 0 | I], unit norms: the last group normalised, which
+        the feature norm then sees unchanged): a trained last-only head becomes a fused one that
+        starts where it was and learns to use the other blocks (their weights' gradients are not
+        zero, as their inputs are not)."""
+        e, groups = self.cfg.hidden_size, len(self.cfg.feature_layers) + 1
+        fuse = torch.zeros(e, groups * e)
+        fuse[:, -e:] = torch.eye(e)
+        return {"fuse.weight": fuse, "fuse_norm.weight": torch.ones(groups, e)}
+
+        # -- forward ---------------------------------------------------------------------------------
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's final norm of its features ``[..., E]`` (what its output layer reads); of
         fused features ``[..., G E]``, their last E columns: the last block's output."""

@@ -50,13 +50,12 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     ids the head drafts from the corpus sequences used and the own answers (see
     :func:`_finetune_on_own_answers`). ``fused``: a new head reads EAGLE-3's fused features
     (:func:`features.fused_layers`), stored under their own names in ``workdir``; a head from
-    ``init_head`` reads what it was made to read."""
+    ``init_head`` reads what it was made to read, or with ``fused`` a last-block head becomes a
+    fused one that starts as the same function (:meth:`HeadNet.fuse_as_last_only`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     layers = features.fused_layers(target.model.cfg.num_layers) if fused else ()
-    if init_head is not None:
+    if init_head is not None and not fused:
         layers = read_head(init_head)[0].feature_layers
-        if fused and not layers:
-            raise ValueError(f"init_head {init_head} reads the last block's features alone; fused needs a fused head")
     corpus_path = workdir / ("corpus.json" if source == "python-docs" else f"corpus-{source}-{seq_len}.json")
     stages = {}
     t = time.perf_counter()
@@ -96,12 +95,10 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
                                                 workdir / _features_dir(source, seq_len, layers), layers)
         command = _stage1_command(target, max_tokens, max_sequences, cfg) + (" --fused-features" if layers else "")
     else:
-        head_cfg, state, vocab_ids, card = read_head(init_head)
+        net, card = _init_net(init_head, model, full_rows, cfg.seed, layers)
         if card.get("target") != target.name or card.get("target_dtype") != model.dtype_name:
             raise ValueError(f"init_head {init_head} was trained for {card.get('target')} ({card.get('target_dtype')}), "
                              f"not {target.name} ({model.dtype_name})")
-        net = HeadNet(head_cfg, vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], cfg.seed)
-        net.load_export(state)
         beside = init_head.with_suffix(".json")  # the card written next to it: its command, full records
         full = json.loads(beside.read_text()) if beside.exists() else {}
         command = card.pop("command", None) or full.get("command")
@@ -150,6 +147,22 @@ def _features_read(layers: tuple[int, ...], num_layers: int) -> str:
 def _fused_suffix(layers: tuple[int, ...]) -> str:
     """What tells fused feature shards from the last block's in a work directory's names."""
     return "".join(f"-{i}" for i in ("fused",) + layers) if layers else ""
+
+
+def _init_net(init_head: Path, model, full_rows, seed: int, layers: tuple[int, ...]) -> tuple[HeadNet, dict]:
+    """The head in ``init_head`` as a trainable net reading ``layers`` (and its card): a head that
+    reads the last block's features alone, asked to read fused ones, starts as the same function."""
+    head_cfg, state, vocab_ids, card = read_head(init_head)
+    if head_cfg.target_vocab_size != model.vocab_size or head_cfg.hidden_size != model.cfg.hidden_size:
+        raise ValueError(f"init_head {init_head} was trained for another target")
+    if head_cfg.feature_layers not in ((), layers):
+        raise ValueError(f"init_head {init_head} reads blocks {head_cfg.feature_layers}, not {layers}")
+    net = HeadNet(replace(head_cfg, feature_layers=layers), vocab_ids, model.embed, model.final_norm,
+                  full_rows[vocab_ids], seed)
+    if layers and not head_cfg.feature_layers:
+        state = state | net.fuse_as_last_only()
+    net.load_export(state)
+    return net, card
 
 
 def _build_corpus(target, source, max_tokens, seq_len, seed, root, encode_chat) -> dict:
@@ -240,11 +253,7 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
     corpus's features (top-k labels, answers only when ``cfg.answers_only``), then evaluate the
     head before and after on held-out ShareGPT conversations; returns the card."""
     model = target.model
-    head_cfg, state, vocab_ids, old_card = read_head(init_head)
-    if head_cfg.target_vocab_size != model.vocab_size or head_cfg.hidden_size != model.cfg.hidden_size:
-        raise ValueError(f"init_head {init_head} was trained for another target")
-    net = HeadNet(head_cfg, vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], cfg.seed)
-    net.load_export(state)
+    net, old_card = _init_net(init_head, model, full_rows, cfg.seed, layers)
     feature_dir = workdir / _features_dir(source, seq_len, layers)
     t = time.perf_counter()
     features.extract(model, sequences, feature_dir, layers)

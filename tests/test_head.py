@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specdec.verify as verify_module
-from specdec.engine import generate
+from specdec.engine import Engine, generate
 from specdec.proposers import HybridProposer, NgramProposer
 from specdec.models.heads import read_head, save_head
 from specdec.proposers.head import HeadProposer, HeadTreeProposer
@@ -190,16 +190,20 @@ def test_trained_head_trees_are_accepted_and_token_identical(trained, kind):
             assert acc.scored > acc.drafted  # more nodes scored than depth positions
 
 
-def test_own_answers_features_equal_a_prefill_of_the_whole_answer(trained):
+@pytest.mark.parametrize("layers", [(), (0, 1)])
+def test_own_answers_features_equal_a_prefill_of_the_whole_answer(trained, layers):
     """generate_with_features (the engine recording features, no proposer): every position's feature
-    == one prefill over prompt + answer, and the answer is the target's own."""
+    == one prefill over prompt + answer, and the answer is the target's own; the fused features
+    (``layers``) too."""
     _, int8, _, _, _ = trained
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [9, 9, 9, 9], [4, 5, 6]]
     plain = generate(int8, prompts, GREEDY, 20)
-    rows = features.generate_with_features(int8, prompts, GREEDY, 20, eos_token_ids=frozenset())
+    rows = features.generate_with_features(int8, prompts, GREEDY, 20, eos_token_ids=frozenset(), layers=layers)
     for prompt, ref, (ids, hidden) in zip(prompts, plain, rows):
-        assert ids == (prompt + ref.token_ids)[:-1] and hidden.shape[0] == len(ids)
-        torch.testing.assert_close(hidden, features.prefill_features(int8, ids), atol=1e-4, rtol=1e-4)
+        assert ids == (prompt + ref.token_ids)[:-1] and hidden.shape == (len(ids), (len(layers) + 1) * int8.cfg.hidden_size)
+        torch.testing.assert_close(hidden, features.prefill_features(int8, ids, layers), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="feature_layers"):  # recorded features only
+        Engine(int8, capacity=32, feature_layers=(0,))
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])

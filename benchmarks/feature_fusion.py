@@ -53,7 +53,12 @@ def main() -> None:
     ap.add_argument("--held-out-tokens", type=int, default=12_000)
     ap.add_argument("--extract-only", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--overhead", action="store_true",
+                    help="instead: time the target's verification forward (k+1 = 6 tokens after 256) with and "
+                         "without the fused blocks' outputs, interleaved; run on an idle machine")
     args = ap.parse_args()
+    if args.overhead:
+        return overhead(args)
 
     gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
     model = gen.target.model
@@ -106,6 +111,37 @@ def main() -> None:
               f"alpha(T=0.7) {scores['0.7']['alpha']}  ({scores['1.0']['slots']} slots)", flush=True)
         if args.out:
             args.out.write_text(json.dumps(out, indent=1))
+
+
+def overhead(args, rounds: int = 40) -> None:
+    """Median seconds of a verification forward (6 tokens after a 256-token prefix, batch 1)
+    returning the last block's features, and the fused ones (the layer stack cut in three)."""
+    import statistics
+
+    gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
+    model = gen.target.model
+    layers = features.fused_layers(model.cfg.num_layers)
+    prefix = torch.randint(0, 1000, (1, 256), generator=torch.Generator().manual_seed(0))
+    block = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(1, 512)
+    model(prefix, cache, return_hidden=False)
+    times = {"plain (no features)": [], "last block": [], "fused": []}
+    options = {"plain (no features)": {}, "last block": {"return_hidden": True},
+               "fused": {"return_hidden": True, "hidden_layers": layers}}
+    for r in range(rounds + 3):
+        for name, kw in options.items():
+            start = time.perf_counter()
+            model(block, cache, **kw)
+            took = time.perf_counter() - start
+            cache.truncate(cache.lengths - 6)
+            if r >= 3:  # warm-up rounds are not counted
+                times[name].append(took)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    for name, m in med.items():
+        print(f"{name}: {m * 1e3:.2f} ms ({m / med['last block']:.3f}x last block)")
+    if args.out:
+        args.out.write_text(json.dumps({"cpu": _cpu(), "dtype": args.dtype, "rounds": rounds,
+                                        "median_ms": {n: round(m * 1e3, 3) for n, m in med.items()}}, indent=1))
 
 
 def _cpu() -> str:

@@ -196,6 +196,16 @@ def test_an_unexpected_error_is_one_line_with_a_hint(capsys, model_dir, monkeypa
     assert "internal error: ZeroDivisionError: boom" in err.splitlines()[-1]
 
 
+def _tiny_chat_model(tmp_path, template: str):
+    """A tiny llama saved as a model directory whose tokenizer has the chat ``template``."""
+    model = save_hf_dir(hf_tiny("llama"), tmp_path / "model")
+    tok_config = model / "tokenizer_config.json"
+    config = json.loads(tok_config.read_text())
+    config["chat_template"] = template
+    tok_config.write_text(json.dumps(config))
+    return model
+
+
 def test_train_head_self_distills_on_sharegpt_user_turns(capsys, tmp_path, monkeypatch):
     """`train-head --corpus sharegpt --extract-only --answer-batches N`: the target answers N
     batches of ShareGPT user turns (training split) and, apart, two batches of held-out ones; the
@@ -204,13 +214,8 @@ def test_train_head_self_distills_on_sharegpt_user_turns(capsys, tmp_path, monke
 
     from specdec.training import run as training_run, sharegpt
 
-    hf = hf_tiny("llama")
-    model = save_hf_dir(hf, tmp_path / "model")
-    tok_config = model / "tokenizer_config.json"
-    config = json.loads(tok_config.read_text())
-    config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}assistant:{% endif %}")
-    tok_config.write_text(json.dumps(config))
+    model = _tiny_chat_model(tmp_path, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                       "{% if add_generation_prompt %}assistant:{% endif %}")
     records = [{"id": f"c{i}_0", "conversations": [{"from": "human", "value": f"please tell me about {i}"},
                                                    {"from": "gpt", "value": f"it is {i} and more"}]}
                for i in range(2500)]
@@ -240,12 +245,7 @@ def test_train_head_self_distills_on_sharegpt_user_turns(capsys, tmp_path, monke
 def test_train_head_then_generate_with_it(capsys, tmp_path):
     """`specdec train-head` end to end on a tiny model and a tiny corpus (resumable stages), then
     `generate --head` with the result: the same tokens as plain decoding (greedy)."""
-    hf = hf_tiny("llama")
-    model = save_hf_dir(hf, tmp_path / "model")
-    tok_config = model / "tokenizer_config.json"
-    config = json.loads(tok_config.read_text())
-    config["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    tok_config.write_text(json.dumps(config))
+    model = _tiny_chat_model(tmp_path, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     sources = tmp_path / "src"
     sources.mkdir()
     for i in range(40):
@@ -368,12 +368,7 @@ def test_train_head_with_fused_features_then_generate_with_it(capsys, tmp_path):
     target for those blocks and gives plain decoding's greedy tokens."""
     from specdec.models.heads import read_head
 
-    hf = hf_tiny("llama")
-    model = save_hf_dir(hf, tmp_path / "model")
-    tok_config = model / "tokenizer_config.json"
-    config = json.loads(tok_config.read_text())
-    config["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    tok_config.write_text(json.dumps(config))
+    model = _tiny_chat_model(tmp_path, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     sources = tmp_path / "src"
     sources.mkdir()
     for i in range(60):  # more than the corpus takes: stage 2's prompts come from unused files

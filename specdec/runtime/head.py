@@ -48,8 +48,8 @@ class HeadConfig:
     rope_theta: float
     attention_bias: bool
     target_vocab_size: int
-    # EAGLE-3's fusion: the target blocks whose outputs the first draft step reads besides the
-    # last block's (training only so far; benchmarks/feature_fusion.py). () = the last alone.
+    # EAGLE-3's fusion: the target blocks whose outputs the head reads besides the last block's
+    # (fused by ``fuse``, G E -> E; see HeadNet.first_feature). () = the last block's alone.
     feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

@@ -258,7 +258,9 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
             "--finetune-steps", "2"]
     code, stdout, err = _run(capsys, *args)
     assert code == 0, err
-    assert "wrote" in stdout and "held-out acceptance per draft position" in stdout
+    # the newest stage's figures: stage 2's, before and after (not an earlier stage's)
+    assert "wrote" in stdout and "held-out own answers, acceptance per draft position" in stdout
+    assert " before, " in stdout and " after; " in stdout
     card = json.loads(out.with_suffix(".json").read_text())
     assert card["corpus"]["sequences"] >= 16 and len(card["held_out"]["greedy"]) == 2
     assert card["finetune"]["own_answer_sequences"] >= 1 and "--answer-batches 1" in card["command"]
@@ -401,7 +403,7 @@ def test_train_head_with_fused_features_then_generate_with_it(capsys, tmp_path):
                         "--label-top-k", "8")
     assert code == 0, err
     cfg3, _, _, card3 = read_head(out3)
-    assert cfg3.feature_layers == (0, 1) and "fused" in card3["features"]
+    assert cfg3.feature_layers == (0, 1) and "fused" in card3["features"] and "--fused-features" in card3["command"]
     # before training, on the same held-out windows: the last-block head's own scores (fp16 file rounding aside)
     was, before = json.loads(plain_head.with_suffix(".json").read_text())["held_out"], card3["held_out_eval"]["before"]
     for key in ("greedy", "alpha"):

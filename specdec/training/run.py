@@ -124,7 +124,9 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     else:
         card["command"] = (f"{command}; then specdec train-head --target {target.name} --dtype {model.dtype_name} "
                            f"--tokens {max_tokens} --lr {cfg.lr} --seed {cfg.seed} --init-head {init_head.name}"
-                           f"{stage2} --out {out.name}")
+                           + (" --fused-features" if layers else "")
+                           + (f" --label-top-k {cfg.label_top_k}" if cfg.label_top_k else "")
+                           + (" --answers-only" if cfg.answers_only else "") + f"{stage2} --out {out.name}")
     save_head(out, net.cfg, net.export(), net.vocab_ids, card)
     card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
     card["bytes"] = out.stat().st_size
@@ -292,7 +294,8 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
     card["command"] = (f"specdec train-head --target {target.name} --dtype {model.dtype_name} --corpus {source} "
                        f"--seq-len {seq_len} --sequences {len(sequences)} --init-head {init_head.name} "
                        f"--steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr} --label-top-k {cfg.label_top_k}"
-                       + (" --answers-only" if cfg.answers_only else "") + f" --out {out.name}")
+                       + (" --answers-only" if cfg.answers_only else "") + (" --fused-features" if layers else "")
+                       + f" --out {out.name}")
     save_head(out, net.cfg, net.export(), net.vocab_ids, card)
     card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
     card["bytes"] = out.stat().st_size
@@ -501,6 +504,14 @@ def default_workdir(target_name: str, dtype: str) -> Path:
 
 
 def summary(card: dict) -> str:
+    """One line on the newest stage: stage 2's held-out own answers before and after when this run
+    made one, else the corpus stage's held-out figures."""
+    f = card.get("finetune")
+    if f is not None:
+        b, a = f["held_out_own_answers_before"], f["held_out_own_answers_after"]
+        return (f"held-out own answers, acceptance per draft position (teacher-forced): greedy {b['greedy']} before, "
+                f"{a['greedy']} after; sampled (T=1) {b['alpha']} before, {a['alpha']} after; fine-tuned "
+                f"{f['seconds'] / 60:.1f} min on {f['own_answer_tokens']} tokens of own answers")
     h = card["held_out"]
     return (f"held-out acceptance per draft position (teacher-forced): greedy {h['greedy']}, "
             f"sampled (T=1) {h['alpha']}; subset covers the target's argmax {h['subset_covers_argmax']:.1%}; "

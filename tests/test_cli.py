@@ -381,6 +381,7 @@ def test_train_head_with_fused_features_then_generate_with_it(capsys, tmp_path):
             "--corpus-root", str(sources), "--workdir", str(work), "--fused-features"]
     code, stdout, err = _run(capsys, *args)
     assert code == 0, err
+    assert "held-out acceptance per draft position" in stdout and "trained" in stdout  # stage 1's summary line
     cfg, state, _, card = read_head(out)
     assert cfg.feature_layers == (0, 1) and state["fuse.weight"].shape == (64, 3 * 64)  # 3 blocks: 0, 1 and 2
     assert "fused (EAGLE-3)" in card["features"] and "--fused-features" in card["command"]

@@ -88,7 +88,7 @@ class HeadNet(torch.nn.Module):
         fuse[:, -e:] = torch.eye(e)
         return {"fuse.weight": fuse, "fuse_norm.weight": torch.ones(groups, e)}
 
-        # -- forward ---------------------------------------------------------------------------------
+    # -- forward ---------------------------------------------------------------------------------
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's final norm of its features ``[..., E]`` (what its output layer reads); of
         fused features ``[..., G E]``, their last E columns: the last block's output."""
@@ -101,9 +101,9 @@ class HeadNet(torch.nn.Module):
         concatenated and projected G E -> E by ``fuse``."""
         if not self.cfg.feature_layers:
             return hidden.float()
-        groups = hidden.float().unflatten(-1, (-1, self.cfg.hidden_size))  # [..., G, E]
-        normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps) * self.norm_groups
-        return F.linear(normed.flatten(-2), self.fuse)
+        groups = hidden.float().split(self.cfg.hidden_size, -1)  # G x [..., E]
+        normed = [rms_norm(g, w, self.cfg.rms_norm_eps, False) for g, w in zip(groups, self.norm_groups)]
+        return F.linear(torch.cat(normed, -1), self.fuse)
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's own logits over the subset from its features ``[..., E]`` -> ``[..., N]``."""

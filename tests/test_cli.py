@@ -241,6 +241,27 @@ def test_train_head_self_distills_on_sharegpt_user_turns(capsys, tmp_path, monke
     code, _, err = _run(capsys, *args)
     assert code == 0 and "own answers" not in err
 
+    # --answers: batch ranges per request source; only the batches named are made, and batch b is the
+    # same 16 requests whichever range names it (python-docs requests from --corpus-root's chunks)
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for i in range(80):
+        (sources / f"m{i}.py").write_text("".join(f'def f{i}_{j}(x):\n    """Return x plus {j}, the usual way."""\n'
+                                                  f"    return x + {j}\n\n" for j in range(30)))
+    before = (work / "own-answers-sharegpt" / "features-00001.safetensors").read_bytes()
+    mixed = args[:-2] + ["--corpus-root", str(sources), "--answers", "sharegpt:1-4", "python-docs:1-2"]
+    code, _, err = _run(capsys, *mixed)
+    assert code == 0, err
+    assert sorted(p.name for p in (work / "own-answers-sharegpt").iterdir()) == [
+        f"features-0000{b}.safetensors" for b in range(4)]
+    assert (work / "own-answers-sharegpt" / "features-00001.safetensors").read_bytes() == before  # not redone
+    assert [p.name for p in (work / "own-answers").iterdir()] == ["features-00001.safetensors"]
+    for bad, says in ((["--answers", "sharegpt:2-2"], "first < end"), (["--answers", "web:0-2"], "must be one of"),
+                      (["--answers", "sharegpt:1", "--answer-batches", "2"], "give one"),
+                      (["--corpus-root", str(sources), "--answer-batches", "1"], "does not apply")):
+        code, _, err = _run(capsys, *args[:-2], *bad)
+        assert code == 2 and says in err, err
+
 
 def test_train_head_then_generate_with_it(capsys, tmp_path):
     """`specdec train-head` end to end on a tiny model and a tiny corpus (resumable stages), then
@@ -273,7 +294,9 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     out2 = tmp_path / "head2.safetensors"
     again = ["train-head", "--target", str(model), "--dtype", "float32", "--out", str(out2), "--tokens", "20000",
              "--corpus-root", str(sources), "--workdir", str(tmp_path / "work2"), "--init-head", str(out),
-             "--answer-batches", "2", "--finetune-steps", "2", "--new-vocab"]
+             "--answers", "python-docs:0-2", "--finetune-steps", "2", "--new-vocab"]
+    code, _, err = _run(capsys, *again[:-5], "--answers", "python-docs:9-10", "--finetune-steps", "2")
+    assert code == 2 and "fewer than batch 9 needs" in err, err  # the requests ran out: said, not an empty stage
     code, stdout, err = _run(capsys, *again)
     assert code == 0, err
     assert "extract features" not in err and "train head" in err
@@ -283,6 +306,7 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     assert card2["init_head"]["sha256"] == card["sha256"]
     assert card2["command"].startswith(card["command"] + "; then specdec train-head")
     assert card2["finetune"]["own_answer_sequences"] >= 2 and card2["finetune"]["corpus_mixed_in"] == 0
+    assert card2["finetune"]["answers"] == ["python-docs:0-2"] and "--answer-batches 2" in card2["command"]
     new_vocab = card2["finetune"]["new_vocab"]  # re-chosen, as many ids, evaluated before training too
     assert new_vocab["size"] == 64 and new_vocab["kept_from_before"] <= 64 and "--new-vocab" in card2["command"]
     assert len(new_vocab["before_training"]["greedy"]) == len(card2["finetune"]["held_out_own_answers_before"]["greedy"])

@@ -58,6 +58,12 @@ def add(sub: argparse._SubParsersAction) -> None:
                    "256 tokens, greedy and T = 0.7 batch by batch, its features recorded as it generates "
                    "(ShareGPT user turns for --corpus sharegpt, else prompts derived from unused python-docs "
                    "chunks); the head is then fine-tuned on those answers (default: 0, off)")
+    p.add_argument("--answers", nargs="+", default=None, metavar="SOURCE:FIRST-END",
+                   help="stage 2's own answers by batch range and request source, instead of --answer-batches "
+                   "(which is --answers CORPUS:0-N): e.g. 'sharegpt:36-63 python-docs:0-16' trains on ShareGPT "
+                   "answer batches 36..62, which an earlier stage did not see, mixed with 16 batches of answers "
+                   "to python-docs requests; batch b is always the same 16 requests, so ranges name the same text "
+                   "in every run")
     p.add_argument("--new-vocab", action="store_true",
                    help="stage 2: re-choose the ids the head drafts (as many as before) from the corpus "
                    "sequences used and the own answers, 3/4 by frequency and the rest by the tokenizer's merge "
@@ -82,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specdec.api import TextGenerator
-    from specdec.training.run import default_workdir, run, summary
+    from specdec.training.run import AnswerSlice, default_workdir, run, summary
     from specdec.training.train import TrainConfig
 
     if args.vocab_size % 8 or args.intermediate_size % 32:
@@ -92,29 +98,37 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix != ".safetensors":
         raise UsageError("--out must end in .safetensors")
-    gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
-    cfg = TrainConfig(vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, passes=args.passes,
-                      steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed,
-                      label_top_k=args.label_top_k, answers_only=args.answers_only)
-    workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, args.dtype)
     root = Path(args.corpus_root) if args.corpus_root else None
     if root is not None and not root.is_dir():
         raise UsageError(f"--corpus-root {root} is not a directory")
     source = args.corpus or ("python-docs" if root is not None else "sharegpt")
-    if source == "sharegpt" and root is not None:
-        raise UsageError("--corpus-root reads python-docs; it does not apply to --corpus sharegpt")
     seq_len = args.seq_len or (1024 if source == "sharegpt" else 512)
-    if bool(args.answer_batches) != bool(args.finetune_steps) and not args.extract_only:
-        raise UsageError("--answer-batches and --finetune-steps go together (stage 2 needs both)")
-    if args.new_vocab and not args.answer_batches:
-        raise UsageError("--new-vocab applies to stage 2: it needs --answer-batches and --finetune-steps")
+    if args.answers is not None and args.answer_batches:
+        raise UsageError("--answers and --answer-batches both name stage 2's own answers: give one")
+    try:
+        answers = tuple(AnswerSlice.parse(a) for a in args.answers or ())
+    except ValueError as e:
+        raise UsageError(f"--answers: {e}") from None
+    answers = answers or ((AnswerSlice(source, 0, args.answer_batches),) if args.answer_batches else ())
+    if source == "sharegpt" and root is not None and not any(a.source == "python-docs" for a in answers):
+        raise UsageError("--corpus-root reads python-docs; it does not apply to --corpus sharegpt "
+                         "(only to python-docs answers named by --answers)")
+    if bool(answers) != bool(args.finetune_steps) and not args.extract_only:
+        raise UsageError("--answer-batches (or --answers) and --finetune-steps go together (stage 2 needs both)")
+    if args.new_vocab and not answers:
+        raise UsageError("--new-vocab applies to stage 2: it needs --answer-batches (or --answers) and --finetune-steps")
     init = Path(args.init_head) if args.init_head else None
     if init is not None and not init.is_file():
         raise UsageError(f"--init-head {init} is not a file")
     if args.answers_only and not args.label_top_k:
         raise UsageError("--answers-only needs --label-top-k")
+    gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
+    cfg = TrainConfig(vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, passes=args.passes,
+                      steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed,
+                      label_top_k=args.label_top_k, answers_only=args.answers_only)
+    workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, args.dtype)
     card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
-               args.answer_batches, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,
+               answers, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,
                source=source, seq_len=seq_len, extract_only=args.extract_only, new_vocab=args.new_vocab,
                fused=args.fused_features)
     if card is None:

@@ -62,14 +62,17 @@ def prefill_features(target: Transformer, ids: list[int], layers: tuple[int, ...
     return hidden[0]
 
 
-def load_shards(directory: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every shard as (tokens [n, L] int32, hidden [n, L, E] fp16), in order."""
+def load_shard(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """One shard as (tokens [n, L] int32, hidden [n, L, E] fp16)."""
     from safetensors.torch import load_file
 
-    out = []
-    for path in sorted(directory.glob("features-*.safetensors")):
-        data = load_file(str(path))
-        out.append((data["tokens"], data["hidden"]))
+    data = load_file(str(path))
+    return data["tokens"], data["hidden"]
+
+
+def load_shards(directory: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every shard as (tokens [n, L] int32, hidden [n, L, E] fp16), in order."""
+    out = [load_shard(path) for path in sorted(directory.glob("features-*.safetensors"))]
     if not out:
         raise FileNotFoundError(f"no feature shards in {directory}")
     return out

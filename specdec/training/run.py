@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,11 +28,48 @@ from specdec.training.train import (Dataset, TrainConfig, evaluate, head_config,
 ANSWER_BATCH = 16
 ANSWER_TOKENS = 256
 ANSWER_TEMPERATURES = (0.0, 0.7)  # batch b answers at ANSWER_TEMPERATURES[b % 2]: greedy and sampled text
+ANSWER_SOURCES = ("sharegpt", "python-docs")
+
+
+@dataclass(frozen=True)
+class AnswerSlice:
+    """Batches ``first`` .. ``end - 1`` of the target's own answers to ``source``'s requests
+    (batch b answers requests 16 b .. 16 b + 15 of :func:`answer_prompts`, so a batch is the same
+    text whichever slice names it): stage 2's data, e.g. ``sharegpt:36-63`` for batches no earlier
+    stage trained on, mixed with ``python-docs:0-16``."""
+
+    source: str
+    first: int
+    end: int
+
+    def __post_init__(self):
+        if self.source not in ANSWER_SOURCES:
+            raise ValueError(f"AnswerSlice.source must be one of {ANSWER_SOURCES}, got {self.source!r}")
+        if not 0 <= self.first < self.end:
+            raise ValueError(f"AnswerSlice needs 0 <= first < end, got {self.first}-{self.end}")
+
+    @classmethod
+    def parse(cls, text: str) -> "AnswerSlice":
+        """``SOURCE:FIRST-END`` or ``SOURCE:N`` (batches 0 .. N - 1)."""
+        import re
+
+        match = re.fullmatch(r"([\w-]+):(?:(\d+)-)?(\d+)", text)
+        if match is None:
+            raise ValueError(f"an answer slice is SOURCE:FIRST-END or SOURCE:N, got {text!r}")
+        source, first, end = match.groups()
+        return cls(source, int(first or 0), int(end))
+
+    @property
+    def batches(self) -> range:
+        return range(self.first, self.end)
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.first}-{self.end}"
 
 
 def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: TrainConfig,
         eos_ids: set[int], max_sequences: int | None = None, corpus_root: Path | None = None,
-        answer_batches: int = 0, finetune_steps: int = 0, encode_chat=None, init_head: Path | None = None,
+        answers: tuple[AnswerSlice, ...] = (), finetune_steps: int = 0, encode_chat=None, init_head: Path | None = None,
         source: str = "python-docs", seq_len: int = 512, extract_only: bool = False,
         new_vocab: bool = False, fused: bool = False) -> dict | None:
     """Train a head for ``target`` (its runtime dtype is the one whose features the head learns
@@ -45,8 +82,8 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
 
     ``source``: "sharegpt" (chat conversations, :mod:`specdec.training.sharegpt`, formatted by
     ``encode_chat``) or "python-docs" (:mod:`specdec.training.corpus`). ``extract_only``: stop
-    after the feature shards are written (a long extraction in stages), or with ``answer_batches``
-    after the own answers are generated; returns None then. ``new_vocab``: stage 2 re-chooses the
+    after the feature shards are written (a long extraction in stages), or with ``answers``
+    (stage 2's own answers, :class:`AnswerSlice`) after they are generated; returns None then. ``new_vocab``: stage 2 re-chooses the
     ids the head drafts from the corpus sequences used and the own answers (see
     :func:`_finetune_on_own_answers`). ``fused``: a new head reads EAGLE-3's fused features
     (:func:`features.fused_layers`), stored under their own names in ``workdir``; a head from
@@ -73,12 +110,11 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     sources = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}  # chunks the corpus used
 
     if extract_only:  # everything training will read: the held-out set first (the "before" figures)
-        if answer_batches:  # stage 2's data alone: the target's own answers
+        if answers:  # stage 2's data alone: the target's own answers
             if source == "sharegpt":
                 held_out_own_answers(target, workdir, encode_chat, eos_ids, layers)
-            own_answers(target, _own_answer_dir(workdir, source, layers),
-                        answer_prompts(source, answer_batches * ANSWER_BATCH, encode_chat, sources, corpus_root),
-                        answer_batches, eos_ids, encode_chat, layers)
+            for part in answers:
+                _answer_slice(target, workdir, part, source, sources, eos_ids, encode_chat, corpus_root, layers)
             return None
         if source == "sharegpt":
             held_out_sharegpt(target, workdir, encode_chat, seq_len, layers=layers)
@@ -86,7 +122,7 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         return None
     model = target.model
     full_rows = heads.output_rows(target)  # [V, E] the target's output layer in fp32
-    if init_head is not None and not (answer_batches and finetune_steps):
+    if init_head is not None and not (answers and finetune_steps):
         card = _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_rows, init_head, encode_chat,
                                    source, seq_len, out, layers)
         return card
@@ -111,12 +147,12 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         dataset, train_ids = Dataset([]), []
         command = command or f"(the command that made {init_head.name} was not recorded)"
     finetune = None
-    if answer_batches and finetune_steps:
-        finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answer_batches,
+    if answers and finetune_steps:
+        finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answers,
                                             finetune_steps, eos_ids, encode_chat, full_rows, corpus_root, source,
                                             new_vocab_from=sequences if new_vocab else None, layers=layers)
         card["finetune"] = finetune
-    stage2 = (f" --answer-batches {answer_batches} --finetune-steps {finetune_steps}"
+    stage2 = (f" {_answers_option(answers, source)} --finetune-steps {finetune_steps}"
               + (" --new-vocab" if new_vocab else "")) if finetune else ""
     card["features"] = _features_read(layers, model.cfg.num_layers)
     if init_head is None:
@@ -310,18 +346,20 @@ def _stage1_command(target, max_tokens, max_sequences, cfg) -> str:
             f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed}")
 
 
-def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int, eos_ids, encode_chat,
+def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int | range, eos_ids, encode_chat,
                 layers: tuple[int, ...] = ()) -> Dataset:
-    """The target's answers to ``prompts``, ``ANSWER_BATCH`` at a time (greedy and T = 0.7 in
-    turn), with its features recorded while it generates: one shard per batch in ``directory``,
-    so an interrupted run resumes at the first missing batch."""
+    """The target's answers to ``prompts``, ``ANSWER_BATCH`` at a time (batch b answers
+    ``prompts[16 b : 16 b + 16]``, greedy and T = 0.7 in turn), with its features recorded while it
+    generates: one shard per batch in ``directory``, so an interrupted run resumes at the first
+    missing batch. ``batches``: a count (batches 0 .. n - 1) or a range of batch indices."""
     from specdec.sampling import SamplingParams
 
     directory.mkdir(parents=True, exist_ok=True)
     room = target.model.cfg.max_position_embeddings
     t = time.perf_counter()
     made = 0
-    for b in range(batches):
+    batches = range(batches) if isinstance(batches, int) else batches
+    for b in batches:
         path = features.shard_path(directory, b)
         group = prompts[b * ANSWER_BATCH : (b + 1) * ANSWER_BATCH]
         if path.exists() or not group:
@@ -332,9 +370,10 @@ def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int
                                                layers=layers)
         features.write_shard(path, rows)
         made += sum(len(r[0]) for r in rows)
-        cache.notice(f"own answers: batch {b + 1}/{batches} in {directory.name} "
+        cache.notice(f"own answers: batch {b + 1}/{batches.stop} in {directory.name} "
                      f"({time.perf_counter() - t:.0f} s, {made / (time.perf_counter() - t):.1f} feature tokens/s)")
-    return Dataset(features.load_shards(directory)[:batches])
+    paths = [features.shard_path(directory, b) for b in batches]  # a batch past the prompts' end has none
+    return Dataset([features.load_shard(path) for path in paths if path.exists()])
 
 
 def answer_prompts(source: str, count: int, encode_chat, used_sources: set[str], corpus_root: Path | None,
@@ -347,6 +386,35 @@ def answer_prompts(source: str, count: int, encode_chat, used_sources: set[str],
         return sharegpt.prompts(encode_chat, count, split=split)
     return corpus.answer_prompts(used_sources, count, root=corpus_root)
 
+
+def _answer_slice(target, workdir: Path, part: AnswerSlice, run_source: str, run_sources: set[str], eos_ids,
+                  encode_chat, corpus_root: Path | None, layers: tuple[int, ...]) -> Dataset:
+    """The own answers ``part`` names, generated where missing. Python-docs requests come from
+    chunks no corpus stage used: those of this run's corpus when it is python-docs, else every
+    chunk of ``workdir``'s python-docs corpus (none when it has none)."""
+    if part.source == run_source:
+        used = run_sources
+    elif (workdir / "corpus.json").exists():
+        used = {s.split("#")[0] for s in corpus.load(workdir / "corpus.json")["manifest"]["sources"]}
+    else:
+        used = set()
+    prompts = answer_prompts(part.source, part.end * ANSWER_BATCH, encode_chat, used, corpus_root)
+    if len(prompts) <= part.first * ANSWER_BATCH:
+        raise ValueError(f"answers {part}: {part.source} gives {len(prompts)} requests here, fewer than batch "
+                         f"{part.first} needs ({ANSWER_BATCH} per batch)")
+    return own_answers(target, _own_answer_dir(workdir, part.source, layers), prompts, part.batches, eos_ids,
+                       encode_chat, layers)
+
+
+def _answers_option(answers: tuple[AnswerSlice, ...], source: str) -> str:
+    """The train-head option that names ``answers``: ``--answer-batches N`` for the run's own
+    source from batch 0, else ``--answers SLICE ...``."""
+    if len(answers) == 1 and answers[0].source == source and answers[0].first == 0:
+        return f"--answer-batches {answers[0].end}"
+    return "--answers " + " ".join(map(str, answers))
+
+
+_PROMPTS = {"sharegpt": "ShareGPT user turns", "python-docs": "derived from unused python-docs chunks"}
 
 NEW_VOCAB_FREQUENT_SHARE = 0.75  # chosen on held-out own answers (see vocab_subset)
 HELD_OUT_ANSWER_BATCHES = 2  # 32 held-out ShareGPT requests, ~7k answer tokens: a standard error of ~0.006
@@ -365,18 +433,20 @@ def _own_answer_dir(workdir: Path, source: str, layers: tuple[int, ...] = ()) ->
     return workdir / (("own-answers" if source == "python-docs" else f"own-answers-{source}") + _fused_suffix(layers))
 
 
-def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, batches, steps,
+def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, answers, steps,
                              eos_ids, encode_chat, full_rows, corpus_root, source, new_vocab_from=None,
                              layers=()) -> dict:
-    """Stage 2: the target answers requests (:func:`answer_prompts`; greedy and T = 0.7 in turn,
-    its features recorded while it generates), then the head is fine-tuned on those answers mixed
+    """Stage 2: the target answers requests (``answers``, :class:`AnswerSlice`; greedy and T = 0.7
+    in turn, its features recorded while it generates), then the head is fine-tuned on those answers mixed
     with as many corpus sequences (none when stage 1 ran earlier: ``corpus_data`` is empty), at a
     third of the learning rate. Evaluated on held-out own answers: answers to held-out ShareGPT
     conversations for ``source`` "sharegpt", else every 10th own answer."""
     net.load_export({k: v.half() for k, v in net.export().items()})  # start from the stage-1 head as saved (fp16)
     t = time.perf_counter()
-    prompts = answer_prompts(source, batches * ANSWER_BATCH, encode_chat, used_sources, corpus_root)
-    own = own_answers(target, _own_answer_dir(workdir, source, layers), prompts, batches, eos_ids, encode_chat, layers)
+    own = Dataset([])
+    for part in answers:
+        own.rows += _answer_slice(target, workdir, part, source, used_sources, eos_ids, encode_chat, corpus_root,
+                                  layers).rows
     if source == "sharegpt":
         held = held_out_own_answers(target, workdir, encode_chat, eos_ids, layers)
         own_train, own_held = list(range(len(own))), list(range(len(own), len(own) + len(held)))
@@ -411,18 +481,19 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
                 ends=eos_ids)
     after = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
     record = {"own_answer_sequences": len(own), "own_answer_tokens": sum(r[0].shape[0] for r in own.rows),
-            "prompts": "ShareGPT user turns" if source == "sharegpt" else "derived from unused python-docs chunks",
+            "prompts": " and ".join(dict.fromkeys(_PROMPTS[part.source] for part in answers)),
+            "answers": [str(part) for part in answers],
             "own_train": len(own_train), "own_held_out": len(own_held), "corpus_mixed_in": len(train_ids) - len(own_train),
-            "temperatures": _temperatures_used(batches), "answers_only": header is not None,
+            "temperatures": _temperatures_used(answers), "answers_only": header is not None,
             "steps": steps, "lr": ft_cfg.lr, "seconds": round(log["seconds"], 1),
             "generate_seconds_this_run": round(generate_s, 1),
             "held_out_own_answers_before": before, "held_out_own_answers_after": after}
     return record | ({"new_vocab": vocab_record} if vocab_record else {})
 
 
-def _temperatures_used(batches: int) -> str:
+def _temperatures_used(answers: tuple[AnswerSlice, ...]) -> str:
     """How the own answers were sampled, e.g. 'greedy and T = 0.7 in turn'."""
-    temps = [ANSWER_TEMPERATURES[b % len(ANSWER_TEMPERATURES)] for b in range(min(batches, len(ANSWER_TEMPERATURES)))]
+    temps = sorted({ANSWER_TEMPERATURES[b % len(ANSWER_TEMPERATURES)] for part in answers for b in part.batches})
     names = ["greedy" if t == 0 else f"T = {t:g}" for t in temps]
     return " and ".join(names) + (" in turn" if len(names) > 1 else "")
 

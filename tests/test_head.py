@@ -430,9 +430,16 @@ def test_hidden_layers_add_block_outputs_without_changing_a_bit(dtype):
     for i in (0, 1):
         _, early = model.truncated(i + 1)(ids, model.truncated(i + 1).new_cache(1, 16), return_hidden=True)
         assert torch.equal(hidden1[..., i * e : (i + 1) * e], early)
+    model.use_stack = False  # the per-layer loop cuts the layers by the same plan: the same bits
+    cache = model.new_cache(1, 16)
+    logits2, hidden2 = model(ids, cache, return_hidden=True, hidden_layers=(0, 1))
+    model.use_stack = True
+    assert torch.equal(hidden2, hidden1) and torch.equal(logits2, logits1) and torch.equal(cache.k, k1)
     for bad in ((1, 0), (2,), (-1,)):  # not increasing, the last block itself, negative
         with pytest.raises(ValueError, match="hidden_layers"):
             model(ids, model.new_cache(1, 16), return_hidden=True, hidden_layers=bad)
+    with pytest.raises(ValueError, match="hidden_layers needs return_hidden"):
+        model(ids, model.new_cache(1, 16), hidden_layers=(0,))
 
 
 def test_fused_head_is_a_superset_of_the_last_layer_head(fp32_target, tmp_path):

@@ -15,6 +15,7 @@ decoded alone, verified in a block, prefilled, or batched with other rows.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -207,7 +208,7 @@ class Transformer(torch.nn.Module):
         linear.pack_all()
         self.stack = self._build_stack(self.blocks)
         self.use_stack = True  # tests and measurements compare it with the per-layer loop
-        self._segments: dict[tuple[int, ...], list] = {}  # hidden_layers -> [((first, end), stack)]
+        self._plans: dict[tuple[int, ...], list] = {}  # hidden_layers -> [(first, end, stack or None)]
         self._rope_len = 0
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -223,7 +224,7 @@ class Transformer(torch.nn.Module):
         sliding = self.cfg.layer_is_sliding[:num_layers]
         view.cfg = dataclasses.replace(self.cfg, num_layers=num_layers, layer_is_sliding=sliding)
         view.stack = view._build_stack(view.blocks) if self.stack is not None else None
-        view._segments = {}
+        view._plans = {}
         return view
 
     def _build_stack(self, blocks):
@@ -232,15 +233,23 @@ class Transformer(torch.nn.Module):
             return None
         return stack.build(blocks, self.cfg.rms_norm_eps, blocks[0].scale, self.cfg.num_heads)
 
-    def _stack_segments(self, hidden_layers: tuple[int, ...]) -> list:
-        """``[((first, end), stack)]``: the blocks cut after each of ``hidden_layers``, a stack
-        for each run (built once per layer set; the stacks share the blocks' weights)."""
-        if not hidden_layers:
-            return [((0, len(self.blocks)), self.stack)]
-        if hidden_layers not in self._segments:
-            cuts = [0] + [i + 1 for i in hidden_layers] + [len(self.blocks)]
-            self._segments[hidden_layers] = [((a, b), self._build_stack(self.blocks[a:b])) for a, b in zip(cuts, cuts[1:])]
-        return self._segments[hidden_layers]
+    def _layer_plan(self, hidden_layers: tuple[int, ...]) -> list[tuple[int, int, object]]:
+        """``[(first, end, stack)]``: the blocks cut after each of ``hidden_layers`` into runs,
+        each with a C++ stack of its blocks when the whole model has one (else None: the
+        per-layer loop). Checked and built once per layer set; the stacks share the blocks'
+        weights. Without ``hidden_layers``: one run, the model's own stack."""
+        plan = self._plans.get(hidden_layers)
+        if plan is not None:
+            return plan
+        last = len(self.blocks) - 1
+        if hidden_layers and not (list(hidden_layers) == sorted(set(hidden_layers))
+                                  and 0 <= hidden_layers[0] and hidden_layers[-1] < last):
+            raise ValueError(f"hidden_layers must be increasing block indices below {last}, got {hidden_layers}")
+        cuts = [0] + [i + 1 for i in hidden_layers] + [len(self.blocks)]
+        plan = [(a, b, None if self.stack is None else self._build_stack(self.blocks[a:b]))
+                for a, b in zip(cuts, cuts[1:])] if hidden_layers else [(0, len(self.blocks), self.stack)]
+        self._plans[hidden_layers] = plan
+        return plan
 
     def with_output_rows(self, rows: torch.Tensor) -> "Transformer":
         """A view whose output layer computes logits for only some token ids: ``rows`` ``[N, E]``
@@ -345,23 +354,20 @@ class Transformer(torch.nn.Module):
         rope = self._rope_for(positions)
         common_start = None if self.blocks[0].fused else cache.common_start(slots)  # a host sync; fused blocks need none
         x = x.contiguous()
+        if hidden_layers and not return_hidden:
+            raise ValueError("hidden_layers needs return_hidden")
         kept = []  # [B, T, E] outputs of the hidden_layers blocks
-        if hidden_layers and not (return_hidden and list(hidden_layers) == sorted(set(hidden_layers))
-                                  and 0 <= hidden_layers[0] and hidden_layers[-1] < len(self.blocks) - 1):
-            raise ValueError(f"hidden_layers must be increasing block indices below {len(self.blocks) - 1} "
-                             f"(with return_hidden), got {hidden_layers}")
-        if self.stack is not None and self.use_stack and self.blocks[0].fused:
-            vis = visible["global"]  # every layer in one call: Block._forward_fused's kernels, the same bits
-            for (a, b), run in self._stack_segments(tuple(hidden_layers)):  # one run unless hidden_layers cut it
+        stacked = self.use_stack and self.blocks[0].fused
+        for a, b, run in self._layer_plan(tuple(hidden_layers)):  # one run unless hidden_layers cut it
+            if run is not None and stacked:  # the run's layers in one call: Block._forward_fused's kernels, same bits
+                vis = visible["global"]
                 x = run.forward(x, cache.k[a:b], cache.v[a:b], *rope["global"], slots, vis.lo, vis.hi, vis.extra_ptr,
                                 vis.extra)
-                if b < len(self.blocks):
-                    kept.append(x.clone())
-        else:
-            for i, block in enumerate(self.blocks):
-                x = block.forward(x, cache, slots, common_start, rope, visible)  # (see Block._forward_fused)
-                if i in hidden_layers:
-                    kept.append(x.clone())
+            else:
+                for block in itertools.islice(self.blocks, a, b):
+                    x = block.forward(x, cache, slots, common_start, rope, visible)  # (see Block._forward_fused)
+            if b < len(self.blocks):
+                kept.append(x.clone())
         cache.advance(t)
         hidden = torch.cat(kept + [x], -1) if kept else x  # [B, T, E], or [B, T, (n + 1) E] with hidden_layers
         if logit_index is not None:

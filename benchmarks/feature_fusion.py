@@ -28,7 +28,7 @@ from specdec.models import heads, registry
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.training import corpus, features, sharegpt
 from specdec.training.head_net import HeadNet
-from specdec.training.run import answer_header
+from specdec.training.run import answer_header, held_out_sharegpt
 from specdec.training.train import Dataset, TrainConfig, evaluate, head_config, precision, train, vocab_subset
 
 
@@ -69,13 +69,9 @@ def main() -> None:
     if not corpus_path.exists():
         corpus.save(sharegpt.build(encode, 1024, args.sequences * 1100), corpus_path)
     sequences = corpus.load(corpus_path)["sequences"][: args.sequences]
-    held_path = args.workdir / f"held-out-sharegpt-1024-{args.held_out_tokens}.json"
-    if not held_path.exists():
-        corpus.save(sharegpt.build(encode, 1024, args.held_out_tokens, split="held_out"), held_path)
-    held_sequences = corpus.load(held_path)["sequences"]
     tag = "-".join(map(str, layers))
-    t = time.perf_counter()
-    features.extract(model, held_sequences, args.workdir / f"fused-{tag}-held-out", layers)
+    t = time.perf_counter()  # train-head's own held-out set, under its names (fused)
+    held_fused = held_out_sharegpt(gen.target, args.workdir, gen.encode_chat, 1024, args.held_out_tokens, layers)
     features.extract(model, sequences, args.workdir / f"fused-{tag}-train", layers)
     extract_s = time.perf_counter() - t
     if args.extract_only:
@@ -84,7 +80,6 @@ def main() -> None:
     e = model.cfg.hidden_size
     fused = Dataset(features.load_shards(args.workdir / f"fused-{tag}-train"))
     fused.rows = fused.rows[: args.sequences]
-    held_fused = Dataset(features.load_shards(args.workdir / f"fused-{tag}-held-out"))
     header = answer_header(gen.encode_chat)
     full_rows = heads.output_rows(gen.target)  # [V, E] fp32
     cfg = TrainConfig(steps=args.steps, lr=args.lr, label_top_k=args.label_top_k, warmup=min(20, args.steps // 5))

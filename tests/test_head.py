@@ -134,13 +134,20 @@ def test_resume_reproduces_an_uninterrupted_run(fp32_target, tmp_path):
     train(interrupted, data, list(range(8)), dataclasses.replace(cfg, steps=3), tmp_path / "b.pt", progress=False)
     state = torch.load(tmp_path / "b.pt", weights_only=False)
     state["train_config"]["steps"] = 6  # the same run, which had been asked for 6 steps
+    state["log"]["seconds"] = 1000.0  # a mark: a resumed run keeps its log, a run started over does not
     torch.save(state, tmp_path / "b.pt")
-    resumed = _net(fp32_target, seed=99)  # weights come from the checkpoint
-    train(resumed, data, list(range(8)), cfg, tmp_path / "b.pt", progress=False)
+    resumed = _net(fp32_target, seed=4)  # built as the interrupted run was (a fresh process)
+    log = train(resumed, data, list(range(8)), cfg, tmp_path / "b.pt", progress=False)
+    assert log["seconds"] > 1000 and len(log["loss"]) == 6
     for name, value in straight.export().items():
         assert torch.equal(value, resumed.export()[name]), name
     with pytest.raises(ValueError, match="other settings"):
-        train(_net(fp32_target), data, list(range(8)), dataclasses.replace(cfg, lr=1.0), tmp_path / "b.pt", progress=False)
+        train(_net(fp32_target, seed=4), data, list(range(8)), dataclasses.replace(cfg, lr=1.0), tmp_path / "b.pt",
+              progress=False)
+    # the same settings but another run's checkpoint (another starting head, or other rows): refused
+    for net, ids in ((_net(fp32_target, seed=5), list(range(8))), (_net(fp32_target, seed=4), list(range(6)))):
+        with pytest.raises(ValueError, match="another run's"):
+            train(net, data, ids, cfg, tmp_path / "b.pt", progress=False)
 
 
 def _head_proposer(net, target, capacity=96):

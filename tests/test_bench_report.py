@@ -175,3 +175,42 @@ def test_methods_run_back_to_back_in_alternating_order(tmp_path, monkeypatch):
     assert calls == ["plain", "ngram", "suffix", "suffix", "ngram", "plain", "plain", "ngram", "suffix"]
     assert [r["method"] for r in results["runs"][:3]] == ["plain", "ngram", "suffix"]
     assert "| plain | 1.00x | 1.00x | 1.00x |" in (tmp_path / "report.md").read_text()
+
+
+def _script(name: str):
+    """A module of benchmarks/ (scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paired_ratios_and_the_sign_test():
+    paired = _script("paired")
+
+    def run(method, prompt, t, speed):
+        return {"method": method, "category": "qa", "prompt": prompt, "temperature": t,
+                "metrics": {"throughput_tok_s": speed}}
+
+    runs = [run("plain", 0, 0.0, 10.0), run("x", 0, 0.0, 12.0), run("plain", 1, 0.0, 10.0), run("x", 1, 0.0, 9.0),
+            run("x", 2, 0.0, 50.0), run("plain", 0, 0.7, 5.0), run("x", 0, 0.7, 10.0)]
+    assert paired.paired(runs, "plain", "x", 0.0) == [1.2, 0.9]  # prompt 2 has no baseline: left out
+    assert paired.paired(runs, "plain", "x", 0.7) == [2.0]
+    assert paired.sign_test(5, 10) == 1.0
+    assert abs(paired.sign_test(0, 5) - 2 / 32) < 1e-12
+    assert abs(paired.sign_test(34, 48) - 0.00552) < 1e-4
+
+
+def test_head_confidence_bins_acceptance_by_the_gate_score():
+    conf = _script("head_confidence")
+    steps = [{"conf": [0.95, 0.9], "accepted": 2}, {"conf": [0.92, 0.1], "accepted": 1},
+             {"conf": [0.05, 0.5], "accepted": 0}, {"conf": [0.03], "accepted": 1}]
+    first = {tuple(r["bin"]): (r["accepted"], r["steps"]) for r in conf.calibration(steps, 1, product=False)}
+    assert first == {(0.9, 1.0): (2, 2), (0.0, 0.05): (1, 1), (0.05, 0.1): (0, 1)}
+    # position 2: only steps whose first draft was accepted reach it; by the product of the two
+    second = {tuple(r["bin"]): (r["accepted"], r["steps"]) for r in conf.calibration(steps, 2, product=True)}
+    assert second == {(0.8, 0.9): (1, 1), (0.05, 0.1): (0, 1)}

@@ -539,3 +539,32 @@ def test_a_shipped_card_renders_its_evaluation(tmp_path):
     for key in ("machine", "bench_acceptance", "held_out_eval_sets", "learning_curve"):  # a card without them
         card.pop(key)
     assert "## Evaluation" not in card_markdown(card, "h.safetensors")
+
+
+
+def test_a_chain_cut_to_nothing_by_the_head_confidence_keeps_the_exact_law(small):
+    """Here the head's first raw distribution has a top probability below 0.5 after every first
+    token, so ``min_score`` 0.5 cuts every chain before its first draft: each step is a plain
+    step after the head's catch-up (the test above: the same law uncut). That the cut is exact
+    per row, where rows differ, is shown on :func:`specdec.verify_chain` with a stopping rule
+    and its negative control (tests/test_verify_stats.py). Power: as the test above."""
+    target, head = small
+    rows = generate(target, [PROMPT] * N_SAMPLES, PARAMS, 3, proposer=HeadProposer(head, 16, min_score=0.5), k=2,
+                    seed=11)
+    assert rows[0].batch_metrics.acceptance.drafted == 0
+    tokens = torch.tensor([r.token_ids for r in rows])
+    counts = torch.bincount((tokens[:, 0] * V_SMALL + tokens[:, 1]) * V_SMALL + tokens[:, 2], minlength=V_SMALL**3)
+    assert chi_square_pvalue(counts, _exact_joint(target)) > ALPHA
+
+
+def test_greedy_chains_cut_by_the_head_confidence_are_token_identical(trained):
+    _, int8, net, _, _ = trained
+    plain = generate(int8, PROMPTS, GREEDY, 40)
+    for min_score in (0.3, 0.9):  # cuts some chains short / every chain before its first draft
+        proposer = HeadProposer(_runtime(net, int8, int8.dtype_name), 96, min_score=min_score)
+        spec = generate(int8, PROMPTS, GREEDY, 40, proposer=proposer, k=4)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+        acc = spec[0].batch_metrics.acceptance
+        assert (0 < acc.drafted < 4 * acc.calls) if min_score == 0.3 else acc.drafted == 0
+    with pytest.raises(ValueError, match="min_score"):
+        HeadProposer(_runtime(net, int8, int8.dtype_name), 96, min_score=1.5)

@@ -186,3 +186,75 @@ def test_negative_control_wrong_verifier_fails(monkeypatch, target, replacement)
     monkeypatch.setattr(verify_module, target, replacement)
     _, _, pvals = run_config(SHARP_P, SHARP_Q, 4, seed=4)
     assert min(pvals) < 1e-12, f"the broken verifier ({target}) was not detected: min p = {min(pvals)}"
+
+
+# Chains cut per row by a confidence rule (the draft head's ``min_score``). A chain may stop at
+# any position by a rule that reads what is known before that position's draft is drawn (the
+# drafts so far and the distribution the next one would be drawn from): each drafted token then
+# still follows the q it is verified with, and a position not drafted is the target's own draw.
+# Reading the drawn token itself (keep it only if q(token) is high) is not such a rule: a kept
+# draft then follows q restricted to its likely tokens, and the verification's residual is wrong.
+TAU = 0.5
+
+
+def generate_cut(p, q, k, length, seed, rule):
+    """As :func:`generate` with one pair, each row's chain cut by ``rule``: "prefix" (stop before
+    a position whose q has no token of probability >= TAU) or "drawn" (draw, then stop unless the
+    drawn token's q >= TAU: the wrong rule). Rows of each chain length are verified together."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.arange(N)
+    out = torch.full((N, length), -1, dtype=torch.long)
+    filled = torch.zeros(N, dtype=torch.long)
+    current = torch.full((N,), START, dtype=torch.long)
+    lengths_seen = torch.zeros(k + 1, dtype=torch.long)
+    while int(filled.min()) < length:
+        state, drafted, q_rows = current, [], []
+        active = torch.ones(N, dtype=torch.bool)
+        chain = torch.zeros(N, dtype=torch.long)  # [N] drafts kept per row
+        for _ in range(k):
+            qi = q[state]  # [N, V]
+            if rule == "prefix":
+                active &= qi.max(-1).values >= TAU
+            state = torch.multinomial(qi, 1, generator=g).squeeze(-1)
+            if rule == "drawn":
+                active &= qi.gather(1, state.unsqueeze(1)).squeeze(1) >= TAU
+            chain += active.long()
+            drafted.append(state)
+            q_rows.append(qi)
+        draft_tokens, q_all = torch.stack(drafted, 1), torch.stack(q_rows, 1)  # [N, k], [N, k, V]
+        lengths_seen += torch.bincount(chain, minlength=k + 1)
+        committed = torch.full((N, k + 1), -1, dtype=torch.long)
+        num_accepted = torch.zeros(N, dtype=torch.long)
+        for size in range(k + 1):
+            group = rows[chain == size]
+            if len(group) == 0:
+                continue
+            tokens = draft_tokens[group, :size]
+            prefix = torch.cat([current[group].unsqueeze(1), tokens], 1)  # [G, size+1]
+            result = verify_chain(p[prefix], q_all[group, :size], tokens, g)
+            committed[group, : size + 1] = result.tokens
+            num_accepted[group] = result.num_accepted
+        for j in range(k + 1):
+            pos = filled + j
+            ok = (j <= num_accepted) & (pos < length)
+            out[rows[ok], pos[ok]] = committed[ok, j]
+        filled += num_accepted + 1
+        current = committed.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return out, lengths_seen
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_chains_cut_before_a_draft_is_drawn_keep_the_target_law(k):
+    """Power: the wrong rule below, at the same sample size, gives p < 1e-12. Every chain length
+    0..k occurs, so the cut acts per row."""
+    tokens, lengths = generate_cut(SHARP_P, SHARP_Q, k, k + 1, seed=21 + k, rule="prefix")
+    assert (lengths > 0).all(), lengths
+    pvals = exact_pvalues(tokens, SHARP_P)
+    assert min(pvals) > ALPHA, pvals
+
+
+def test_negative_control_chains_cut_on_the_drawn_token_fail():
+    tokens, lengths = generate_cut(SHARP_P, SHARP_Q, 4, 5, seed=25, rule="drawn")
+    assert (lengths[:3] > 0).all(), lengths  # it cuts at several positions
+    pvals = exact_pvalues(tokens, SHARP_P)
+    assert min(pvals) < 1e-12, f"cutting on the drawn token was not detected: min p = {min(pvals)}"

@@ -99,8 +99,9 @@ class HeadProposer(SingleSource):
 
     def _confidence(self, subset_logits: torch.Tensor) -> torch.Tensor:
         """``[B, N]`` subset logits -> the top probability of the head's raw distribution ``[B]``.
-        Raw for every row: at T = 0.7 the processed distribution's top probability overstates
-        acceptance (0.5-0.6 was accepted 0.22 of the time on the bench), the raw one less so."""
+        Raw for every row: on the bench's answers at T = 0.7, first drafts whose processed
+        distribution's top probability was 0.5-0.6 were accepted 0.22 of the time, those whose
+        raw one's was 0.41 (benchmarks/head_confidence.py; docs/head-eval/head-confidence-*)."""
         if not torch.isfinite(subset_logits).all():
             raise ValueError("the draft head produced non-finite logits")
         return torch.softmax(subset_logits.float(), -1).amax(-1)

@@ -214,3 +214,21 @@ def test_head_confidence_bins_acceptance_by_the_gate_score():
     # position 2: only steps whose first draft was accepted reach it; by the product of the two
     second = {tuple(r["bin"]): (r["accepted"], r["steps"]) for r in conf.calibration(steps, 2, product=True)}
     assert second == {(0.8, 0.9): (1, 1), (0.05, 0.1): (0, 1)}
+
+
+def test_chain_cut_bench_registers_cut_methods():
+    import specdec.speculation as speculation
+
+    cut_bench = _script("chain_cut_bench")
+    saved = (dict(speculation.METHODS), list(jobs.ALL_METHODS), jobs._method_spec)
+    try:
+        assert cut_bench.add_cut_methods([0.0, 0.35]) == ["hybrid_head_g0", "hybrid_head_g0.35"]
+        assert jobs.known_method("hybrid_head_g0.35")
+        assert jobs._method_spec("hybrid_head_g0", 4) == ("hybrid-head-g0", "auto")
+        assert jobs._method_spec("head_k2", 4) == ("head", 2)  # the bench's own names still resolve
+        assert speculation.METHODS["hybrid-head-g0.35"].needs_head
+    finally:
+        speculation.METHODS.clear()
+        speculation.METHODS.update(saved[0])
+        jobs.ALL_METHODS[:] = saved[1]
+        jobs._method_spec = saved[2]

@@ -24,9 +24,9 @@ class HeadProposer(SingleSource):
     ``min_score`` > 0 cuts the chain short (EAGLE-2's observation: the head's confidence tracks
     acceptance). Before drafting position i, each row's score is multiplied by the top
     probability of the head's raw distribution there (:meth:`_confidence`), the product over
-    positions 1..i being the head's estimate that the chain is
-    still accepted at i; once no row's score reaches ``min_score`` the chain ends (a chain is as
-    long in every row, so it goes on while any row's is worth it). Zero drafts is a plain step.
+    positions 1..i being the head's estimate that the chain is still accepted at i; once no
+    row's score reaches ``min_score`` the chain ends (a chain is as long in every row, so it goes
+    on while any row's is worth it). Zero drafts is a plain step.
     Exact at every temperature: whether position i is drafted is decided from the drafts before
     it and the distribution position i's is drawn from, never from that draft itself, so each
     drafted token still follows the ``q`` it is verified with (tests/test_verify_stats.py: the

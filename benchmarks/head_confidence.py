@@ -3,8 +3,9 @@ behind ``specdec.speculation.HEAD_MIN_SCORE`` (where a head chain stops under ad
 
 The head drafts fixed chains of ``--k`` tokens for one prompt at a time (batch 1, as the bench).
 Before each draft the top probability of the head's raw distribution is recorded (whatever the
-row's temperature) — what the chain gate multiplies along the chain. Then the verification says how many drafts were accepted. The report bins the
-steps by the first draft's confidence and by the chain's score at position 2 (the product of
+row's temperature) — what the chain gate multiplies along the chain. Then the verification says
+how many drafts were accepted. The report bins the steps by the first draft's confidence and by
+the chain's score at position 2 (the product of
 the two top probabilities) and gives the acceptance in each bin: a calibrated head has
 acceptance close to the bin's confidence, and the bins where it is far below a verified
 position's cost (~0.1 of a target step here) are where cutting the chain pays.

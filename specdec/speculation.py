@@ -55,10 +55,10 @@ LOOKUP_ONLY = "suffix"
 K_DEFAULT = "auto"  # k chosen each step from measured costs and acceptance (specdec.adaptive)
 NGRAM = (2, 4)  # shortest and longest context suffix a lookup matches
 EXIT_FRACTION = 4  # the early exit drafts with the first 1/EXIT_FRACTION of the target's layers
-# Under adaptive k, a head chain stops where the product of the top probabilities of the head's raw
-# distribution along it falls below this (its chance of reaching that position): on the bench's answers its first
-# draft was accepted 3% of the time below 0.1 (docs/CHANGELOG.md, 'chains cut by the head's
-# confidence'). A fixed k drafts k tokens.
+# Under adaptive k, a head chain stops where the product of the top probabilities of the head's
+# raw distribution along it falls below this (its chance of reaching that position): on the
+# bench's answers its first draft was accepted 3% of the time below 0.1 (docs/CHANGELOG.md,
+# 'chains cut by the head's confidence'). A fixed k drafts k tokens.
 HEAD_MIN_SCORE = 0.2
 
 Builder = Callable[[Sources, "SpeculationConfig", int], object]

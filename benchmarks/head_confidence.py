@@ -5,10 +5,10 @@ The head drafts fixed chains of ``--k`` tokens for one prompt at a time (batch 1
 Before each draft the top probability of the head's raw distribution is recorded (whatever the
 row's temperature) — what the chain gate multiplies along the chain. Then the verification says
 how many drafts were accepted. The report bins the steps by the first draft's confidence and by
-the chain's score at position 2 (the product of
-the two top probabilities) and gives the acceptance in each bin: a calibrated head has
-acceptance close to the bin's confidence, and the bins where it is far below a verified
-position's cost (~0.1 of a target step here) are where cutting the chain pays.
+the chain's score at position 2 (the product of the two top probabilities) and gives the
+acceptance in each bin: a calibrated head has acceptance close to the bin's confidence, and the
+bins where it is far below a verified position's cost (~0.1 of a target step here) are where
+cutting the chain pays.
 
     .venv/bin/python benchmarks/head_confidence.py --temperature 0 --prompts-per-category 4 --out conf-t0.json
 """

@@ -232,3 +232,12 @@ def test_chain_cut_bench_registers_cut_methods():
         speculation.METHODS.update(saved[0])
         jobs.ALL_METHODS[:] = saved[1]
         jobs._method_spec = saved[2]
+
+
+def test_serve_bench_levels_send_new_prompts_until_the_list_runs_out():
+    serve_bench = _script("serve_bench")
+    levels = [(0, 1), (0, 4), (1, 1), (1, 4)]
+    slices = serve_bench.level_prompts(levels, lambda c: 3 if c > 1 else 6, 20)
+    assert slices[(0, 1)] == list(range(6)) and slices[(0, 4)] == list(range(6, 18))
+    assert slices[(1, 1)] == [18, 19, 0, 1, 2, 3]  # wrapped: the bench restarts the server first
+    assert len(slices[(1, 4)]) == 12

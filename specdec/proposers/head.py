@@ -93,17 +93,16 @@ class HeadProposer(SingleSource):
                 probs.append(q)  # [B, V]
             if i < k - 1:
                 logits, guess = self.head(guess, token, self.cache, guessed=True)
-        if not drafts:
-            return Proposal(torch.zeros(batch, 0, dtype=torch.long), None, caught_up=caught_up)
-        return Proposal(torch.cat(drafts, 1), torch.stack(probs, 1) if probs else None, caught_up=caught_up)
+        tokens = torch.cat(drafts, 1) if drafts else torch.zeros(batch, 0, dtype=torch.long)  # [B, k'] k' <= k
+        return Proposal(tokens, torch.stack(probs, 1) if probs else None, caught_up=caught_up)
 
     def _confidence(self, subset_logits: torch.Tensor) -> torch.Tensor:
         """``[B, N]`` subset logits -> the top probability of the head's raw distribution ``[B]``.
         Raw for every row: on the bench's answers at T = 0.7, first drafts whose processed
         distribution's top probability was 0.5-0.6 were accepted 0.22 of the time, those whose
-        raw one's was 0.41 (benchmarks/head_confidence.py; docs/head-eval/head-confidence-*)."""
-        if not torch.isfinite(subset_logits).all():
-            raise ValueError("the draft head produced non-finite logits")
+        raw one's was 0.41 (benchmarks/head_confidence.py; docs/head-eval/head-confidence-*).
+        No finiteness check here (the drafting loop): a NaN score never cuts, and
+        :func:`~specdec.proposers.base.draft_token` refuses non-finite logits of sampled rows."""
         return torch.softmax(subset_logits.float(), -1).amax(-1)
 
     def _rank_probs(self, subset_logits: torch.Tensor) -> torch.Tensor:

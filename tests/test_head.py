@@ -568,3 +568,48 @@ def test_greedy_chains_cut_by_the_head_confidence_are_token_identical(trained):
         assert (0 < acc.drafted < 4 * acc.calls) if min_score == 0.3 else acc.drafted == 0
     with pytest.raises(ValueError, match="min_score"):
         HeadProposer(_runtime(net, int8, int8.dtype_name), 96, min_score=1.5)
+
+
+class _RecordingCut(HeadProposer):
+    """Records, per step, the confidences the chain gate read and the chain it returned."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = []
+
+    def propose(self, pending, k, tree=False):
+        self.steps.append({"k": k, "conf": []})
+        proposal = super().propose(pending, k, tree)
+        self.steps[-1]["size"] = proposal.size
+        return proposal
+
+    def _confidence(self, subset_logits):
+        conf = super()._confidence(subset_logits)
+        self.steps[-1]["conf"].append(float(conf[0]))
+        return conf
+
+
+def test_the_chain_cut_is_the_product_rule_read_before_each_draft(trained):
+    """The proposer's own cut, step by step (sampled rows, batch 1): a chain of size s had the
+    product of the raw top probabilities >= min_score at positions 1..s and, if s < k, below it
+    at s + 1, where drafting stopped before drawing. Two cuts make every chain size 0..k occur.
+    That such a rule keeps the target's law (and that reading the drawn token does not) is
+    tests/test_verify_stats.py's stopping-rule test and its negative control."""
+    _, int8, net, _, _ = trained
+    params = SamplingParams(temperature=0.7)
+    sizes = set()
+    for min_score in (0.1, 0.3):
+        for prompt in PROMPTS:
+            cut = _RecordingCut(_runtime(net, int8, int8.dtype_name), 96, min_score=min_score)
+            generate(int8, [prompt], params, 30, proposer=cut, k=4, seed=5)
+            for step in cut.steps:
+                if step["k"] == 0:
+                    continue
+                products = torch.tensor(step["conf"]).cumprod(0)
+                size = step["size"]
+                sizes.add(size)
+                assert (products[:size] >= min_score).all()
+                assert len(products) == size + (size < step["k"])
+                if size < step["k"]:
+                    assert products[size] < min_score
+    assert sizes == {0, 1, 2, 3, 4}, sizes

@@ -86,10 +86,9 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     (stage 2's own answers, :class:`AnswerSlice`) after they are generated; returns None then.
     ``new_vocab``: stage 2 re-chooses the ids the head drafts from the corpus sequences used and
     the own answers (see :func:`_finetune_on_own_answers`). ``fused``: a new head reads EAGLE-3's
-    fused features
-    (:func:`features.fused_layers`), stored under their own names in ``workdir``; a head from
-    ``init_head`` reads what it was made to read, or with ``fused`` a last-block head becomes a
-    fused one that starts as the same function (:meth:`HeadNet.fuse_as_last_only`)."""
+    fused features (:func:`features.fused_layers`), stored under their own names in ``workdir``; a
+    head from ``init_head`` reads what it was made to read, or with ``fused`` a last-block head
+    becomes a fused one that starts as the same function (:meth:`HeadNet.fuse_as_last_only`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     layers = features.fused_layers(target.model.cfg.num_layers) if fused else ()
     if init_head is not None and not fused:

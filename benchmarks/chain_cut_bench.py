@@ -1,54 +1,68 @@
-"""`specdec bench` with extra methods ``hybrid_head_gX``: the default hybrid (suffix copy, else the
-head under adaptive k) with the head chain cut at score X (``HeadProposer(min_score=X)``; X = 0:
-never cut), so that cuts are compared side by side with plain and the default in one run, methods
-alternating prompt by prompt (docs/BENCHMARKS.md §5). Every other argument goes to `specdec bench`.
+"""`specdec bench` with extra methods that vary the head chain's confidence cut, side by side with
+plain and the default in one run, methods alternating prompt by prompt (docs/BENCHMARKS.md §5):
 
-    .venv/bin/python benchmarks/chain_cut_bench.py --cuts 0,0.35 \\
-        --methods plain,hybrid_head_g0,hybrid_head,hybrid_head_g0.35 --out bench-cuts
-    .venv/bin/python benchmarks/paired.py bench-cuts/runs.jsonl --base hybrid_head_g0 --methods hybrid_head
+* ``hybrid_head_gX`` — the default hybrid (suffix copy, else the head under adaptive k) with the
+  head chain cut at score X (``HeadProposer(min_score=X)``; X = 0: never cut);
+* ``hybrid_head_gX_silent`` — the same cut, but its proposals do not declare it
+  (``Proposal.declined``), so adaptive k learns nothing from a cut position: the default of
+  stop 41, before cuts were counted as rejected drafts.
+
+The methods are registered in :data:`specdec.speculation.METHODS` (the documented way to add one),
+which `specdec bench` runs with adaptive k. Every other argument goes to `specdec bench`.
+
+    .venv/bin/python benchmarks/chain_cut_bench.py --cuts 0 --silent 0.2 \\
+        --methods plain,hybrid_head_g0,hybrid_head_g0.2_silent,hybrid_head --out bench-cuts
+    .venv/bin/python benchmarks/paired.py bench-cuts/runs.jsonl --base hybrid_head_g0.2_silent --methods hybrid_head
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import specdec.speculation as speculation
-from specdec.bench import jobs
 from specdec.cli import main as specdec_main
 from specdec.proposers import HeadProposer, HybridProposer
 
 
-def add_cut_methods(cuts: list[float]) -> list[str]:
-    """Register ``hybrid_head_gX`` for each cut X with the bench and the method table."""
-    names = {}
-    for cut in cuts:
-        def build(gen, config, capacity, cut=cut):
-            return HybridProposer(speculation.copy_lookup(gen, config.ngram),
-                                  HeadProposer(gen.draft_head(), capacity, min_score=cut))
+class SilentCutHead(HeadProposer):
+    """A :class:`HeadProposer` whose cut chains do not say they were cut."""
 
-        name = f"hybrid_head_g{cut:g}"
-        speculation.METHODS[name.replace("_", "-")] = speculation.Method(
-            f"the default hybrid, head chains cut at {cut:g}", build, needs_head=True, uses_lookup=True)
-        jobs.ALL_METHODS.append(name)
-        names[name] = cut
-    method_spec = jobs._method_spec
+    def propose(self, pending, k, tree=False):
+        return dataclasses.replace(super().propose(pending, k, tree), declined=False)
 
-    def spec(method: str, k_fixed: int):
-        return (method.replace("_", "-"), "auto") if method in names else method_spec(method, k_fixed)
 
-    jobs._method_spec = spec
-    return list(names)
+def add_cut_methods(cuts: list[float], silent: list[float] = ()) -> list[str]:
+    """Register ``hybrid_head_gX`` for each of ``cuts`` and ``hybrid_head_gX_silent`` for each of
+    ``silent``; returns the bench's names for them."""
+    names = []
+    for cut, quiet in [(c, False) for c in cuts] + [(c, True) for c in silent]:
+        head = SilentCutHead if quiet else HeadProposer
+
+        def build(gen, config, capacity, cut=cut, head=head):
+            return HybridProposer(speculation.copy_lookup(gen, config.ngram), head(gen.draft_head(), capacity, min_score=cut))
+
+        name = f"hybrid_head_g{cut:g}" + ("_silent" if quiet else "")
+        what = f"the default hybrid, head chains cut at {cut:g}" + (" (cuts not declared to adaptive k)" if quiet else "")
+        speculation.METHODS[name.replace("_", "-")] = speculation.Method(what, build, needs_head=True, uses_lookup=True)
+        names.append(name)
+    return names
+
+
+def _cuts(text: str | None, ap: argparse.ArgumentParser, flag: str) -> list[float]:
+    cuts = [float(c) for c in text.split(",")] if text else []
+    if not all(0 <= c <= 1 for c in cuts):
+        ap.error(f"{flag} must lie in [0, 1], got {text}")
+    return cuts
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cuts", required=True, help="comma-separated chain cuts in [0, 1], e.g. 0,0.35")
+    ap.add_argument("--cuts", default=None, help="comma-separated chain cuts in [0, 1], e.g. 0,0.35")
+    ap.add_argument("--silent", default=None, help="comma-separated cuts to add as hybrid_head_gX_silent")
     args, rest = ap.parse_known_args()
-    cuts = [float(c) for c in args.cuts.split(",")]
-    if not all(0 <= c <= 1 for c in cuts):
-        ap.error(f"--cuts must lie in [0, 1], got {args.cuts}")
-    add_cut_methods(cuts)
+    add_cut_methods(_cuts(args.cuts, ap, "--cuts"), _cuts(args.silent, ap, "--silent"))
     sys.exit(specdec_main(["bench", *rest]))
 
 

@@ -135,25 +135,35 @@ class AdaptiveK:
 
     def observe_step(self, proposal, result, draft_seconds: float, verify_seconds: float, caught_up: bool) -> None:
         """The engine's call after each step (a chain proposal and its verification)."""
-        self.observe(proposal.size, result.num_accepted.tolist(), draft_seconds, verify_seconds, caught_up)
+        self.observe(proposal.size, result.num_accepted.tolist(), draft_seconds, verify_seconds, caught_up,
+                     declined=proposal.declined)
 
     def observe(self, k: int, num_accepted: list[int], draft_seconds: float, verify_seconds: float,
-                caught_up: bool = False) -> None:
+                caught_up: bool = False, declined: bool = False) -> None:
         """One step: ``k`` drafts were verified for each row, rows accepted ``num_accepted``.
+
         ``caught_up``: the proposer also fed tokens it had skipped while k was 0 (or the whole
         prompt, on its first step); that time is not a per-draft cost, so it does not update the
         draft cost estimate. Until a step that is not a catch-up measures it, the draft cost is
-        taken as 0, which keeps speculating until it is measured."""
+        taken as 0, which keeps speculating until it is measured.
+
+        ``declined``: the proposer looked at position k + 1 and chose not to draft it (a chain
+        cut by the head's confidence, ``Proposal.declined``). That position counts as a rejected
+        draft of every row that accepted all k, and its look as one more position of draft time:
+        the estimates then describe what asking for k drafts yields, cuts included. Without
+        this, a step cut to zero drafts taught the controller nothing, so where the head is
+        nearly always cut (translation) it stayed on, paying its catch-up every step, on the
+        acceptance of the rare uncut steps (docs/BENCHMARKS.md §5)."""
         update_cost(self.verify_cost, len(num_accepted) * (k + 1), verify_seconds, self.ema)
-        if k == 0:
+        looked = min(k + 1 if declined else k, self.k_max)  # positions the proposer paid for
+        if looked == 0:
             return
         if not caught_up:  # (the first step is always one: the proposer's own prefill of the prompt)
-            per_token = draft_seconds / k
-            self.draft_cost = moving_average(self.draft_cost, per_token, self.ema)
+            self.draft_cost = moving_average(self.draft_cost, draft_seconds / looked, self.ema)
         self.accepted = [a * self.forget for a in self.accepted]
         self.tested = [t * self.forget for t in self.tested]
         for acc in num_accepted:
-            for i in range(min(acc + 1, k)):  # positions 1..acc accepted, acc+1 rejected (if < k)
+            for i in range(min(acc + 1, looked)):  # positions 1..acc accepted, acc+1 rejected or declined
                 self.tested[i] += 1.0
                 if i < acc:
                     self.accepted[i] += 1.0

@@ -216,22 +216,24 @@ def test_head_confidence_bins_acceptance_by_the_gate_score():
     assert second == {(0.8, 0.9): (1, 1), (0.05, 0.1): (0, 1)}
 
 
-def test_chain_cut_bench_registers_cut_methods():
+def test_chain_cut_bench_registers_cut_methods_the_bench_runs_by_their_names():
     import specdec.speculation as speculation
 
     cut_bench = _script("chain_cut_bench")
-    saved = (dict(speculation.METHODS), list(jobs.ALL_METHODS), jobs._method_spec)
+    saved = dict(speculation.METHODS)
     try:
-        assert cut_bench.add_cut_methods([0.0, 0.35]) == ["hybrid_head_g0", "hybrid_head_g0.35"]
-        assert jobs.known_method("hybrid_head_g0.35")
+        assert not jobs.known_method("hybrid_head_g0.35")
+        names = cut_bench.add_cut_methods([0.0, 0.35], silent=[0.2])
+        assert names == ["hybrid_head_g0", "hybrid_head_g0.35", "hybrid_head_g0.2_silent"]
+        assert all(jobs.known_method(n) for n in names)  # registered in METHODS: nothing patched in the bench
         assert jobs._method_spec("hybrid_head_g0", 4) == ("hybrid-head-g0", "auto")
+        assert jobs._method_spec("hybrid_head_g0.2_silent", 4) == ("hybrid-head-g0.2-silent", "auto")
         assert jobs._method_spec("head_k2", 4) == ("head", 2)  # the bench's own names still resolve
+        assert not jobs.known_method("none")  # plain decoding is the bench's "plain"
         assert speculation.METHODS["hybrid-head-g0.35"].needs_head
     finally:
         speculation.METHODS.clear()
-        speculation.METHODS.update(saved[0])
-        jobs.ALL_METHODS[:] = saved[1]
-        jobs._method_spec = saved[2]
+        speculation.METHODS.update(saved)
 
 
 def test_serve_bench_levels_send_new_prompts_until_the_list_runs_out():

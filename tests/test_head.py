@@ -580,7 +580,7 @@ class _RecordingCut(HeadProposer):
     def propose(self, pending, k, tree=False):
         self.steps.append({"k": k, "conf": []})
         proposal = super().propose(pending, k, tree)
-        self.steps[-1]["size"] = proposal.size
+        self.steps[-1]["size"], self.steps[-1]["declined"] = proposal.size, proposal.declined
         return proposal
 
     def _confidence(self, subset_logits):
@@ -592,7 +592,8 @@ class _RecordingCut(HeadProposer):
 def test_the_chain_cut_is_the_product_rule_read_before_each_draft(trained):
     """The proposer's own cut, step by step (sampled rows, batch 1): a chain of size s had the
     product of the raw top probabilities >= min_score at positions 1..s and, if s < k, below it
-    at s + 1, where drafting stopped before drawing. Two cuts make every chain size 0..k occur.
+    at s + 1, where drafting stopped before drawing (and the proposal declares that it
+    declined position s + 1, for adaptive k). Two cuts make every chain size 0..k occur.
     That such a rule keeps the target's law (and that reading the drawn token does not) is
     tests/test_verify_stats.py's stopping-rule test and its negative control."""
     _, int8, net, _, _ = trained
@@ -610,6 +611,7 @@ def test_the_chain_cut_is_the_product_rule_read_before_each_draft(trained):
                 sizes.add(size)
                 assert (products[:size] >= min_score).all()
                 assert len(products) == size + (size < step["k"])
+                assert step["declined"] == (size < step["k"])  # what adaptive k counts as a rejection
                 if size < step["k"]:
                     assert products[size] < min_score
     assert sizes == {0, 1, 2, 3, 4}, sizes

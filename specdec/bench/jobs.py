@@ -45,6 +45,7 @@ from specdec.bench.plots import write_plots
 from specdec.bench.report import write_report
 from specdec.proposers.suffix import SuffixHistory
 from specdec.sampling import SamplingParams
+from specdec.speculation import METHODS
 
 ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",
                "early_exit", "hybrid", "ngram_k1", "ngram_k2", "ngram_k4", "ngram_k8",
@@ -57,7 +58,10 @@ FIXED_K = ("ngram", "draft", "head", "head_tree")  # methods that also run as NA
 
 
 def known_method(method: str) -> bool:
-    if method in ALL_METHODS:
+    """One of :data:`ALL_METHODS`, ``NAME_kN`` for a :data:`FIXED_K` name, or any key of
+    :data:`specdec.speculation.METHODS` with ``_`` for ``-`` (adaptive k), which is how a script
+    that registers a method of its own benches it (e.g. benchmarks/chain_cut_bench.py)."""
+    if method in ALL_METHODS or _registered(method):
         return True
     name, _, k = method.rpartition("_k")
     return name in FIXED_K and k.isdigit() and int(k) >= 1
@@ -70,14 +74,18 @@ def load_workloads(include_extra: bool = False) -> dict:
     return {k: v for k, v in data.items() if not k.startswith("_") and (include_extra or not v.get("extra"))}
 
 
+def _registered(method: str) -> bool:
+    """A :data:`~specdec.speculation.METHODS` key (``_`` for ``-``) other than plain's "none"."""
+    return method != "none" and method.replace("_", "-") in METHODS
+
+
 def _method_spec(method: str, k_fixed: int) -> tuple[str, int | str]:
     """(method of :data:`specdec.speculation.METHODS`, k) for the bench's method names."""
     if method == "plain":
         return "none", 0
     if method in ("draft", "head"):
         return method, k_fixed
-    if method.endswith("_auto") or method in ("ngram", "early_exit", "hybrid", "hybrid_head", "suffix",
-                                              "head_tree", "hybrid_tree"):
+    if method.endswith("_auto") or _registered(method):
         return method.replace("_auto", "").replace("_", "-"), "auto"
     name, k = method.rsplit("_k", 1)
     return name.replace("_", "-"), int(k)

@@ -63,6 +63,10 @@ class Proposal:
     # The proposer also fed tokens it had skipped earlier (k was 0, or the other side of a hybrid
     # drafted): this step's draft time is then not a per-draft cost (see AdaptiveK.observe).
     caught_up: bool = False
+    # A chain that ended before k because the proposer judged its next position not worth
+    # drafting (HeadProposer's confidence cut): adaptive k counts that position as a rejected
+    # draft, so its estimates describe what a step asking for k drafts yields.
+    declined: bool = False
 
     @property
     def is_tree(self) -> bool:

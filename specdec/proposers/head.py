@@ -81,11 +81,13 @@ class HeadProposer(SingleSource):
         logits, guess = self._catch_up()
         drafts, probs = [], []
         score = torch.ones(batch)  # [B] product of the head's top probabilities along each chain
+        declined = False
         for i in range(k):
             if self.min_score > 0:
                 score = score * self._confidence(logits[:, -1])
                 if float(score.max()) < self.min_score:
-                    break  # no row's chain is likely enough to reach this position
+                    declined = True  # no row's chain is likely enough to reach this position
+                    break
             token, q = draft_token(logits[:, -1], self.params, self.generator, self.head.vocab_ids,
                                    self.head.cfg.target_vocab_size, "draft head")
             drafts.append(token)  # [B, 1]
@@ -94,7 +96,7 @@ class HeadProposer(SingleSource):
             if i < k - 1:
                 logits, guess = self.head(guess, token, self.cache, guessed=True)
         tokens = torch.cat(drafts, 1) if drafts else torch.zeros(batch, 0, dtype=torch.long)  # [B, k'] k' <= k
-        return Proposal(tokens, torch.stack(probs, 1) if probs else None, caught_up=caught_up)
+        return Proposal(tokens, torch.stack(probs, 1) if probs else None, caught_up=caught_up, declined=declined)
 
     def _confidence(self, subset_logits: torch.Tensor) -> torch.Tensor:
         """``[B, N]`` subset logits -> the top probability of the head's raw distribution ``[B]``.

@@ -4,8 +4,9 @@ Model of one step with k draft tokens (a batch of B rows shares k):
 
 * time: ``T(k) = k * d + v(B (k + 1))`` — ``d`` the proposer's cost per draft token (~0 for
   n-gram lookup), ``v(n)`` the target's cost to score n positions in one call, all rows
-  together (measured per n; unmeasured n are interpolated linearly from the measured ones, and
-  before any measurement assumed ``v(n) = v1 * (1 + 0.1 (n - 1))``). Keying the cost by the
+  together (:class:`CallCosts`: a scale that follows the machine's speed from every call times
+  a shape learned per measured n; unmeasured n are interpolated linearly from the measured ones,
+  and before any measurement ``v(n) = v1 * (1 + 0.1 (n - 1))`` is assumed). Keying the cost by the
   positions of the whole call is what makes the choice follow the load: one row's extra drafts
   are nearly free (the weights are read once either way), sixteen rows' are not (the call is
   compute-bound), and the same measurements serve every batch size;
@@ -80,9 +81,54 @@ def moving_average(old: float | None, new: float, rate: float) -> float:
     return new if old is None else old + rate * (new - old)
 
 
-def update_cost(costs: dict[int, float], n: int, seconds: float, ema: float) -> None:
-    """Fold a measured time to verify ``n`` positions into ``costs``."""
-    costs[n] = moving_average(costs.get(n), seconds, ema)
+@dataclass
+class CallCosts:
+    """Seconds of one target call by the positions it scores, ``n`` (all rows together), as
+    ``v(n) = scale * r(n)``. The shape ``r`` is 1 at the smallest size measured (the reference)
+    and learned for every other measured size as a moving average (rate ``shape_ema``) of its
+    time over the current scale; unmeasured sizes are interpolated by :func:`verify_costs`. The
+    ``scale`` follows the machine's speed from every call of a size already measured (rate
+    ``ema``).
+
+    Why a scale and a shape, not one average per n: a step's time drifts by 10-20% within a
+    request here (the memory bandwidth, a growing KV), while most steps are of one size. A v(2)
+    measured once in a fast minute then stood against a v(1) kept fresh in a slow one, two
+    positions looked cheaper than one, and any draft at all seemed worth verifying: on
+    translation, where the head is nearly never accepted, adaptive k kept asking it to look.
+    Calls of the reference size move only the scale, so the sizes keep their ratios."""
+
+    ema: float = 0.3
+    shape_ema: float = 0.1
+    scale: float | None = None
+    shape: dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def measured(cls, seconds: dict[int, float]) -> "CallCosts":
+        """Costs that are ``seconds`` (n -> seconds) as they stand."""
+        ref = seconds[min(seconds)]
+        return cls(scale=ref, shape={n: s / ref for n, s in seconds.items()})
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Fold a call that scored ``n`` positions in ``seconds`` into the scale and the shape."""
+        if not self.shape:  # the first call: its size is the reference
+            self.scale, self.shape = seconds, {n: 1.0}
+            return
+        if n < min(self.shape):  # a smaller size becomes the reference; every v(m) stays as it was
+            factor = verify_costs(self.shape, n)[n - 1]
+            self.shape = {m: r / factor for m, r in self.shape.items()} | {n: 1.0}
+            self.scale *= factor
+        if n not in self.shape:  # a new size: its first ratio, at the current scale
+            self.shape[n] = seconds / self.scale
+            return
+        self.scale = moving_average(self.scale, seconds / self.shape[n], self.ema)
+        if n != min(self.shape):
+            self.shape[n] = moving_average(self.shape[n], seconds / self.scale, self.shape_ema)
+
+    def costs(self, n_max: int) -> list[float]:
+        """Estimated seconds of a call scoring n = 1..``n_max`` positions (before any call: the
+        prior ``v(n) = 1 + 0.1 (n - 1)``, in units of one position's call)."""
+        scale = 1.0 if self.scale is None else self.scale
+        return [scale * c for c in verify_costs(self.shape, n_max)]
 
 
 # The largest k that --k auto may choose (and the KV headroom a row keeps for it): the one default.
@@ -101,7 +147,7 @@ class AdaptiveK:
     accepted: list[float] = field(default_factory=list)
     tested: list[float] = field(default_factory=list)
     draft_cost: float | None = None
-    verify_cost: dict[int, float] = field(default_factory=dict)
+    verify_cost: CallCosts = field(default_factory=CallCosts)
     _since_spec: int = 0
 
     def __post_init__(self) -> None:
@@ -116,7 +162,7 @@ class AdaptiveK:
 
     def verify_costs(self, rows: int = 1) -> list[float]:
         """Estimated seconds of a call verifying k = 0..k_max drafts for each of ``rows`` rows."""
-        costs = verify_costs(self.verify_cost, rows * (self.k_max + 1))
+        costs = self.verify_cost.costs(rows * (self.k_max + 1))
         return [costs[rows * (k + 1) - 1] for k in range(self.k_max + 1)]
 
     def choose(self, rows: int = 1) -> int:
@@ -154,7 +200,7 @@ class AdaptiveK:
         this, a step cut to zero drafts taught the controller nothing, so where the head is
         nearly always cut (translation) it stayed on, paying its catch-up every step, on the
         acceptance of the rare uncut steps (docs/BENCHMARKS.md §5)."""
-        update_cost(self.verify_cost, len(num_accepted) * (k + 1), verify_seconds, self.ema)
+        self.verify_cost.observe(len(num_accepted) * (k + 1), verify_seconds)
         looked = min(k + 1 if declined else k, self.k_max)  # positions the proposer paid for
         if looked == 0:
             return
@@ -200,7 +246,7 @@ class TreeBudget:
     hits: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)
     draft_cost: float | None = None
-    verify_cost: dict[int, float] = field(default_factory=dict)
+    verify_cost: CallCosts = field(default_factory=CallCosts)
     gain: float | None = None  # exponential average of what drafting bought (see above)
     _since_spec: int = 0
 
@@ -238,7 +284,7 @@ class TreeBudget:
         value = torch.where(real, proposal.scores.float().clamp(0, 1) * calib[(depth - 1).clamp(min=0)], 0.0)
         gain = torch.sort(value, dim=1, descending=True).values.sum(0).cumsum(0)  # [N] summed over rows
         rows = proposal.tokens.shape[0]
-        per_call = verify_costs(self.verify_cost, rows * (size + 1))  # keyed by the call's positions (as AdaptiveK)
+        per_call = self.verify_cost.costs(rows * (size + 1))  # keyed by the call's positions (as AdaptiveK)
         costs = [per_call[rows * (n + 1) - 1] for n in range(size + 1)]
         expected = [float(rows)] + [rows + float(gain[n - 1]) for n in range(1, size + 1)]
         best = max(range(size + 1), key=lambda n: (expected[n] / costs[n], -n))  # drafting is spent
@@ -248,7 +294,7 @@ class TreeBudget:
         return best
 
     def observe_step(self, proposal, result, draft_seconds: float, verify_seconds: float, caught_up: bool) -> None:
-        update_cost(self.verify_cost, proposal.tokens.shape[0] * (proposal.size + 1), verify_seconds, self.ema)
+        self.verify_cost.observe(proposal.tokens.shape[0] * (proposal.size + 1), verify_seconds)
         if proposal.size == 0 or not proposal.is_tree:
             return
         if not caught_up:

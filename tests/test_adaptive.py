@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from specdec.adaptive import AdaptiveK, ShapeRace, best_k, expected_tokens
+from specdec.adaptive import AdaptiveK, CallCosts, ShapeRace, best_k, expected_tokens, moving_average
 from specdec.engine import Engine, Request
 from specdec.proposers import DraftModelProposer
 from specdec.sampling import SamplingParams
@@ -104,6 +104,80 @@ def test_the_proposers_prefill_does_not_become_the_draft_cost():
     assert controller.draft_cost is None and controller.choose() > 0
     controller.observe(4, [4], draft_seconds=0.02, verify_seconds=0.1)
     assert controller.draft_cost == pytest.approx(0.005)
+
+
+def test_call_costs_keep_their_ratios_when_the_machine_slows_down():
+    """v(2) measured once while steps took 60 ms, then the machine slows to 72 ms a step (seen
+    only at n = 1): two positions still cost more than one. One average per n, the design
+    before, would keep v(2) at 63 ms against v(1) at 72 ms (the negative control below)."""
+    costs, per_n = CallCosts(), {}
+    for n, seconds in [(1, 0.060)] * 5 + [(2, 0.063)] + [(1, 0.072)] * 20:
+        costs.observe(n, seconds)
+        per_n[n] = moving_average(per_n.get(n), seconds, 0.3)
+    v1, v2 = costs.costs(2)
+    assert v1 == pytest.approx(0.072, rel=0.01)
+    assert v2 / v1 == pytest.approx(0.063 / 0.060, rel=0.01)
+    assert per_n[2] < per_n[1]  # what one average per n concluded
+
+
+def test_call_costs_learn_the_shape_of_a_steady_machine():
+    costs = CallCosts()
+    for _ in range(60):
+        for n in (1, 3, 5):
+            costs.observe(n, 0.05 * (1 + 0.05 * (n - 1)))
+    assert costs.costs(5) == pytest.approx([0.05 * (1 + 0.05 * (n - 1)) for n in range(1, 6)], rel=0.01)
+    assert CallCosts().costs(3) == pytest.approx([1.0, 1.1, 1.2])  # the prior, before any call
+
+
+def test_a_declined_position_counts_as_a_rejected_draft_and_as_draft_time():
+    controller = AdaptiveK(k_max=4)
+    controller.observe(0, [0], draft_seconds=0.01, verify_seconds=0.1, declined=True)  # cut before draft 1
+    assert controller.tested[0] == 1 and controller.accepted[0] == 0
+    assert controller.draft_cost == pytest.approx(0.01)  # one position looked at
+    controller.observe(2, [2, 1], draft_seconds=0.03, verify_seconds=0.1, declined=True)  # cut before draft 3
+    assert controller.tested[:3] == pytest.approx([0.97 + 2, 2, 1])  # row 1: 1, 2 accepted, 3 declined
+    assert controller.accepted[:3] == pytest.approx([2, 1, 0])  # row 2: 1 accepted, 2 rejected
+    assert controller.draft_cost == pytest.approx(0.01)  # 0.03 s over 3 positions
+    controller.observe(4, [4], draft_seconds=0.04, verify_seconds=0.1, declined=True)  # (k_max bounds the count)
+    assert len(controller.tested) == 4
+
+
+def _drive_cut(controller, cut_prob, accept_prob, draft_cost, verify_cost, steps, declare, seed=0):
+    """A head whose chains are cut to zero drafts with probability ``cut_prob`` (after one head
+    call, ``draft_cost``), else drafts k, each accepted with ``accept_prob``."""
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(steps):
+        k = controller.choose()
+        chosen.append(k)
+        if k and rng.random() < cut_prob:
+            controller.observe(0, [0], draft_cost, verify_cost(1), declined=declare)
+            continue
+        accepted = 0
+        while accepted < k and rng.random() < accept_prob:
+            accepted += 1
+        controller.observe(k, [accepted], k * draft_cost, verify_cost(k + 1))
+    return chosen
+
+
+def test_steps_cut_to_zero_drafts_turn_a_head_that_does_not_pay_off():
+    """Translation's case (docs/BENCHMARKS.md §5): the head is cut before its first draft on most
+    steps and rarely accepted otherwise. Counting the cuts, the controller turns it off (plain
+    steps, one probe in ``probe_every``); not counting them (stop 41), it saw only the uncut
+    steps' acceptance and kept paying a head call every step."""
+    verify = lambda n: 0.06 * (1 + 0.05 * (n - 1))  # noqa: E731
+    def plain_steps(declare):  # steps 100..299 with k = 0, mean over 5 seeds (ideal: 8 in 9, 178)
+        return sum(_drive_cut(AdaptiveK(k_max=8), 0.8, 0.3, 0.004, verify, 300, declare, seed)[100:].count(0)
+                   for seed in range(5)) / 5
+
+    assert plain_steps(declare=True) >= 160  # (measured: 171.6)
+    assert plain_steps(declare=False) <= 100  # (measured: 65.6)
+
+
+def test_cuts_on_a_head_that_pays_leave_it_on():
+    verify = lambda n: 0.06 * (1 + 0.05 * (n - 1))  # noqa: E731
+    chosen = _drive_cut(AdaptiveK(k_max=8), 0.2, 0.8, 0.004, verify, 300, declare=True)
+    assert min(chosen[100:]) >= 1
 
 
 def test_shape_race_tries_both_then_runs_the_faster_and_keeps_exploring():

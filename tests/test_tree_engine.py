@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specdec.tree as tree_module
-from specdec.adaptive import TreeBudget
+from specdec.adaptive import CallCosts, TreeBudget
 from specdec.blocks import TreeBlock
 from specdec.engine import Engine, Request, generate
 from specdec.proposers import HybridProposer
@@ -265,7 +265,7 @@ def test_suffix_proposer_learns_from_finished_outputs(target):
 
 def test_tree_budget_prefers_nodes_that_pay(target):
     budget = TreeBudget(8)
-    budget.verify_cost = {1: 1.0, 9: 1.8}
+    budget.verify_cost = CallCosts.measured({1: 1.0, 9: 1.8})
     tokens = torch.arange(8).unsqueeze(0)
     parents = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6]])
     sure = Proposal(tokens, None, parents=parents, scores=torch.ones(1, 8))

@@ -95,6 +95,28 @@ def test_every_instruction_set_gives_the_same_bits():
     assert all(torch.equal(out, reference) for out in outputs)
 
 
+def test_the_largest_integer_dots_are_exact_on_every_instruction_set():
+    """The AVX2 path sums eight vpmaddubsw results in int16 before widening: exact while every
+    lane's 16 products of a code (<= 15) and an activation (|.| <= 127) stay within int16
+    (16 * 15 * 127 = 30480). Codes 15 against activations of +-127 reach that bound (and a group
+    of -127s its negative); any overflow or saturation would differ from the reference."""
+    k = 64
+    w = torch.ones(16, k)
+    w[:, ::32] = 0.0  # one code 0 per group, the other 31 at 15
+    state = q4.quantize_q4(w)
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2, :32], x[2, 32:] = 5.0, -5.0
+    layer = q4.Q4Linear(state)
+    assert (q4.dequantize_q4(state) - w).abs().max() < 1e-3  # (so the codes are 0 and 15: scale ~1/15, min 0)
+    try:
+        for isa in (1, 2, 3):
+            q4.kernel().force_isa(isa)
+            assert torch.equal(layer(x), q4.reference_linear(x, state))
+    finally:
+        q4.kernel().force_isa(0)
+
+
 # ---- the superblock layout (dtype q4k) ----
 
 @pytest.mark.parametrize("n, k, rows, bias", [(8, 32, 1, False), (13, 96, 5, True), (200, 256, 17, True),

@@ -56,19 +56,48 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* d, f
 
 // The 256-bit tile loop, compiled twice from q4_blocks.h: with AVX2 only, and with AVX-512 VNNI's
 // dpbusd for the integer dots. Both compute the same exact integers, so results are identical.
+//
+// AVX2 has no dpbusd: vpmaddubsw gives, per int16 lane, the sum of two products of a code (0..15)
+// and an activation (-127..127), at most 2 * 15 * 127 = 3810 in magnitude, so the eight such
+// registers of a group add up exactly in int16 (<= 30480 < 32767), and one vpmaddwd by ones then
+// gives each output's int32 dot: the same integers as a vpmaddwd per register, with 9
+// multiplies per row and group instead of 16 (the multiply ports bound a many-row call here).
+static inline __m256i q4_idot_avx2(const __m256i wv[8], const int32_t* x4) {
+  __m256i s0 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(x4[0]));
+  __m256i s1 = _mm256_maddubs_epi16(wv[1], _mm256_set1_epi32(x4[4]));
+  s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[2], _mm256_set1_epi32(x4[1])));
+  s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[3], _mm256_set1_epi32(x4[5])));
+  s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[4], _mm256_set1_epi32(x4[2])));
+  s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[5], _mm256_set1_epi32(x4[6])));
+  s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[6], _mm256_set1_epi32(x4[3])));
+  s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[7], _mm256_set1_epi32(x4[7])));
+  return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
+}
 #define Q4_SUFFIX avx2
-#define Q4_DOT4(acc, w, a) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)))
+#define Q4_IDOT(wv, x4) q4_idot_avx2(wv, x4)
 #include "q4_blocks.h"
 #undef Q4_SUFFIX
-#undef Q4_DOT4
+#undef Q4_IDOT
 
 #pragma GCC push_options
 #pragma GCC target("avx512vnni,avx512vl")
+// four independent dpbusd chains (exact: their order does not matter), then one sum
+static inline __m256i q4_idot_vnni(const __m256i wv[8], const int32_t* x4) {
+  __m256i i0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[0], _mm256_set1_epi32(x4[0]));
+  __m256i i1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[1], _mm256_set1_epi32(x4[4]));
+  __m256i i2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[2], _mm256_set1_epi32(x4[1]));
+  __m256i i3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[3], _mm256_set1_epi32(x4[5]));
+  i0 = _mm256_dpbusd_epi32(i0, wv[4], _mm256_set1_epi32(x4[2]));
+  i1 = _mm256_dpbusd_epi32(i1, wv[5], _mm256_set1_epi32(x4[6]));
+  i2 = _mm256_dpbusd_epi32(i2, wv[6], _mm256_set1_epi32(x4[3]));
+  i3 = _mm256_dpbusd_epi32(i3, wv[7], _mm256_set1_epi32(x4[7]));
+  return _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+}
 #define Q4_SUFFIX vnni
-#define Q4_DOT4(acc, w, a) _mm256_dpbusd_epi32(acc, w, a)
+#define Q4_IDOT(wv, x4) q4_idot_vnni(wv, x4)
 #include "q4_blocks.h"
 #undef Q4_SUFFIX
-#undef Q4_DOT4
+#undef Q4_IDOT
 #pragma GCC pop_options
 
 // One tile (16 outputs) per 512-bit register where AVX-512 is there: the same per-lane

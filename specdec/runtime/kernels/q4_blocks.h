@@ -1,9 +1,12 @@
-// The 256-bit tile loop of q4.cpp, included once per instruction set (Q4_SUFFIX, Q4_DOT4).
+// The 256-bit tile loop of q4.cpp, included once per instruction set (Q4_SUFFIX, Q4_IDOT).
+//
+// Q4_IDOT(wv, x4): the exact int32 dots of the 8 outputs of a half tile (wv: its 8 registers of
+// codes) with one row's 32 int8 activations (x4: as 8 int32 of 4 bytes each).
 //
 // A chunk (one tile of 16 outputs, one group of 32 inputs) starts with 256 bytes of codes:
 // bytes 64r + 4o + t (r, t = 0..3, o = 0..15) hold q[o][4r + t] in the low nibble and
 // q[o][16 + 4r + t] in the high one. A 256-bit register holds half of a 64-byte row r, i.e. the
-// outputs 8h..8h+7 of half h, and one 32-bit lane of Q4_DOT4 (u8 x s8, 4 products summed into
+// outputs 8h..8h+7 of half h, and one 32-bit lane of Q4_IDOT (u8 x s8 products summed into
 // int32) belongs to ONE output: no horizontal reductions; lanes = outputs. The halves are done
 // one after the other (the second reads the tile from cache).
 
@@ -37,16 +40,7 @@ static void Q4_CAT(q4_tiles, Q4_SUFFIX)(int64_t tile_begin, int64_t tile_end, in
           for (int64_t i = 0; i < rows; ++i) {
             const int64_t m = m0 + i;
             const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + m * K + g * kGroup);
-            // four independent integer chains (exact: their order does not matter), then one sum
-            __m256i i0 = Q4_DOT4(_mm256_setzero_si256(), wv[0], _mm256_set1_epi32(x4[0]));
-            __m256i i1 = Q4_DOT4(_mm256_setzero_si256(), wv[1], _mm256_set1_epi32(x4[4]));
-            __m256i i2 = Q4_DOT4(_mm256_setzero_si256(), wv[2], _mm256_set1_epi32(x4[1]));
-            __m256i i3 = Q4_DOT4(_mm256_setzero_si256(), wv[3], _mm256_set1_epi32(x4[5]));
-            i0 = Q4_DOT4(i0, wv[4], _mm256_set1_epi32(x4[2]));
-            i1 = Q4_DOT4(i1, wv[5], _mm256_set1_epi32(x4[6]));
-            i2 = Q4_DOT4(i2, wv[6], _mm256_set1_epi32(x4[3]));
-            i3 = Q4_DOT4(i3, wv[7], _mm256_set1_epi32(x4[7]));
-            const __m256i idot = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            const __m256i idot = Q4_IDOT(wv, x4);  // the 8 outputs' exact integer dots with this row's 32 inputs
             const __m256 t = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(idot));
             const __m256 u = _mm256_mul_ps(mn, _mm256_set1_ps(IS[m * G + g]));
             acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_set1_ps(D[m * G + g]), _mm256_sub_ps(t, u)));

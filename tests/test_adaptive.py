@@ -48,12 +48,17 @@ def test_best_k_matches_brute_force_on_synthetic_inputs():
         assert best_k(accept, draft_cost, verify, k_max) == _brute_force(accept, draft_cost, verify, k_max)
 
 
-def _drive(controller, accept_prob, draft_cost, verify_cost, steps, seed=0):
+def _drive(controller, accept_prob, draft_cost, verify_cost, steps, seed=0, cut_prob=0.0, declare=True):
+    """Drafts each accepted with ``accept_prob``; with ``cut_prob``, a step asking for drafts is
+    cut before its first one instead (one head call, ``draft_cost``), declared or not."""
     rng = random.Random(seed)
     chosen = []
     for _ in range(steps):
         k = controller.choose()
         chosen.append(k)
+        if k and cut_prob and rng.random() < cut_prob:
+            controller.observe(0, [0], draft_cost, verify_cost(1), declined=declare)
+            continue
         accepted = 0
         while accepted < k and rng.random() < accept_prob:
             accepted += 1
@@ -142,24 +147,6 @@ def test_a_declined_position_counts_as_a_rejected_draft_and_as_draft_time():
     assert len(controller.tested) == 4
 
 
-def _drive_cut(controller, cut_prob, accept_prob, draft_cost, verify_cost, steps, declare, seed=0):
-    """A head whose chains are cut to zero drafts with probability ``cut_prob`` (after one head
-    call, ``draft_cost``), else drafts k, each accepted with ``accept_prob``."""
-    rng = random.Random(seed)
-    chosen = []
-    for _ in range(steps):
-        k = controller.choose()
-        chosen.append(k)
-        if k and rng.random() < cut_prob:
-            controller.observe(0, [0], draft_cost, verify_cost(1), declined=declare)
-            continue
-        accepted = 0
-        while accepted < k and rng.random() < accept_prob:
-            accepted += 1
-        controller.observe(k, [accepted], k * draft_cost, verify_cost(k + 1))
-    return chosen
-
-
 def test_steps_cut_to_zero_drafts_turn_a_head_that_does_not_pay_off():
     """Translation's case (docs/BENCHMARKS.md §5): the head is cut before its first draft on most
     steps and rarely accepted otherwise. Counting the cuts, the controller turns it off (plain
@@ -167,7 +154,7 @@ def test_steps_cut_to_zero_drafts_turn_a_head_that_does_not_pay_off():
     steps' acceptance and kept paying a head call every step."""
     verify = lambda n: 0.06 * (1 + 0.05 * (n - 1))  # noqa: E731
     def plain_steps(declare):  # steps 100..299 with k = 0, mean over 5 seeds (ideal: 8 in 9, 178)
-        return sum(_drive_cut(AdaptiveK(k_max=8), 0.8, 0.3, 0.004, verify, 300, declare, seed)[100:].count(0)
+        return sum(_drive(AdaptiveK(k_max=8), 0.3, 0.004, verify, 300, seed, cut_prob=0.8, declare=declare)[100:].count(0)
                    for seed in range(5)) / 5
 
     assert plain_steps(declare=True) >= 160  # (measured: 171.6)
@@ -176,7 +163,7 @@ def test_steps_cut_to_zero_drafts_turn_a_head_that_does_not_pay_off():
 
 def test_cuts_on_a_head_that_pays_leave_it_on():
     verify = lambda n: 0.06 * (1 + 0.05 * (n - 1))  # noqa: E731
-    chosen = _drive_cut(AdaptiveK(k_max=8), 0.2, 0.8, 0.004, verify, 300, declare=True)
+    chosen = _drive(AdaptiveK(k_max=8), 0.8, 0.004, verify, 300, cut_prob=0.2)
     assert min(chosen[100:]) >= 1
 
 

@@ -96,7 +96,7 @@ def test_every_instruction_set_gives_the_same_bits():
 
 
 def test_the_largest_integer_dots_are_exact_on_every_instruction_set():
-    """The AVX2 path sums eight vpmaddubsw results in int16 before widening: exact while every
+    """The AVX2 paths (q4 and q4k) sum eight vpmaddubsw results in int16 before widening: exact while every
     lane's 16 products of a code (<= 15) and an activation (|.| <= 127) stay within int16
     (16 * 15 * 127 = 30480). Codes 15 against activations of +-127 reach that bound (and a group
     of -127s its negative); any overflow or saturation would differ from the reference."""
@@ -109,10 +109,13 @@ def test_the_largest_integer_dots_are_exact_on_every_instruction_set():
     x[2, :32], x[2, 32:] = 5.0, -5.0
     layer = q4.Q4Linear(state)
     assert (q4.dequantize_q4(state) - w).abs().max() < 1e-3  # (so the codes are 0 and 15: scale ~1/15, min 0)
+    state_k = q4.quantize_q4k(w)  # q4k (AVX2 loop): the same int16 sums, then the sub-scales
+    layer_k = q4.Q4Linear(state_k)
     try:
-        for isa in (1, 2, 3):
+        for isa in (1, 2, 3, 4):
             q4.kernel().force_isa(isa)
             assert torch.equal(layer(x), q4.reference_linear(x, state))
+            assert torch.equal(layer_k(x), q4.reference_linear_q4k(x, state_k))
     finally:
         q4.kernel().force_isa(0)
 
@@ -134,9 +137,10 @@ def test_q4k_kernel_is_bit_identical_to_the_reference(n, k, rows, bias):
     assert got.shape == (rows, n) and layer.in_features == k
     reference = q4.reference_linear_q4k(x, state)
     assert torch.equal(got, reference)
-    try:  # the plain C++ loop (CPUs without AVX-512 VNNI) computes the same integers and floats
-        q4.kernel().force_isa(1)
-        assert torch.equal(layer(x), reference)
+    try:  # the AVX2 loop (CPUs without AVX-512 VNNI) and the plain C++ one: the same integers and floats
+        for isa in (1, 4):
+            q4.kernel().force_isa(isa)
+            assert torch.equal(layer(x), reference), isa
     finally:
         q4.kernel().force_isa(0)
 

@@ -73,6 +73,7 @@ static inline __m256i q4_idot_avx2(const __m256i wv[8], const int32_t* x4) {
   s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[7], _mm256_set1_epi32(x4[7])));
   return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
 }
+#define Q4K_ROWS_AVX2 4
 #define Q4_SUFFIX avx2
 #define Q4_IDOT(wv, x4) q4_idot_avx2(wv, x4)
 #include "q4_blocks.h"
@@ -419,6 +420,113 @@ static void q4k_tiles_avx512(int64_t tile_begin, int64_t tile_end, int64_t M, in
 }
 #pragma GCC pop_options
 
+// ---- q4k with AVX2 only (no VNNI): half a tile (8 outputs) per 256-bit register ----
+// The same integers as the reference: per row and group the eight vpmaddubsw results summed in
+// int16 (exact, as q4_idot_avx2), then one vpmaddwd by the group's sub-scales (each output's sc in
+// both int16 halves of its lane: sc * (s0 + s1) = sc * idot, exact in int32); the mins' dots by
+// vpmaddwd on group pairs; the float rescaling once per superblock, as the reference orders it.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+static inline __m256i q4k_group_isc_avx2(const __m256i wv[8], const int32_t* x4, __m256i scv) {
+  __m256i s0 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(x4[0]));
+  __m256i s1 = _mm256_maddubs_epi16(wv[1], _mm256_set1_epi32(x4[4]));
+  s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[2], _mm256_set1_epi32(x4[1])));
+  s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[3], _mm256_set1_epi32(x4[5])));
+  s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[4], _mm256_set1_epi32(x4[2])));
+  s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[5], _mm256_set1_epi32(x4[6])));
+  s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[6], _mm256_set1_epi32(x4[3])));
+  s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[7], _mm256_set1_epi32(x4[7])));
+  return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), scv);
+}
+
+// R rows of half h (outputs 8h..8h+7) of one tile, all superblocks; R small enough that the
+// integer accumulators stay in registers next to the 8 code registers.
+template <int R>
+static void q4k_half_rows_avx2(const uint8_t* p, int64_t G, int64_t K, int64_t h, const int8_t* XQ, const float* XD,
+                               const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
+  const int64_t S = (G + kSuper - 1) / kSuper;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t ng = std::min(kSuper, G - s * kSuper);
+    const uint8_t* sc = p + ng * 256;
+    const uint8_t* mm = sc + ng * kTile;
+    const uint8_t* dd = mm + ((ng + 1) / 2) * 2 * kTile;
+    __m256i isc[R];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) isc[i] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t* chunk = p + g * 256;
+      if (prefetch)
+        for (int64_t line = 0; line < 256; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
+      __m256i wv[8];
+      for (int r = 0; r < 4; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * r + 32 * h));
+        wv[2 * r] = _mm256_and_si256(v, mask);
+        wv[2 * r + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+      // sc of outputs 8h..8h+7 as int16, each in both halves of its 32-bit lane
+      const __m256i sc32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + kTile * g + 8 * h)));
+      const __m256i scv = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + (s * kSuper + g) * kGroup);
+        isc[i] = _mm256_add_epi32(isc[i], q4k_group_isc_avx2(wv, x4, scv));
+      }
+    }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 16 * h)));
+    const __m256 dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 32 + 16 * h)));
+    const int64_t np = (ng + 1) / 2;
+    __m256i mp[kSuper / 2];
+    for (int64_t q = 0; q < np; ++q)  // (m[2q][o], m[2q+1][o]) of outputs 8h..8h+7 as int16 pairs
+      mp[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mm + 32 * q + 16 * h)));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const int32_t* xs2 = reinterpret_cast<const int32_t*>(XS + (i * S + s) * kSuper);
+      __m256i imin = _mm256_setzero_si256();
+      for (int64_t q = 0; q < np; ++q) imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mp[q], _mm256_set1_epi32(xs2[q])));
+      const __m256 fs = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(isc[i]));
+      const __m256 fm = _mm256_mul_ps(dmv, _mm256_cvtepi32_ps(imin));
+      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_set1_ps(XD[i * S + s]), _mm256_sub_ps(fs, fm)));
+    }
+    p = dd + 64;
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    __m256 out = acc[i];
+    if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias));
+    _mm256_storeu_ps(Y + i * N, out);
+  }
+}
+
+template <int R>
+static void q4k_half_dispatch_avx2(int rows, const uint8_t* p, int64_t G, int64_t K, int64_t h, const int8_t* XQ,
+                                   const float* XD, const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
+  if constexpr (R > 0) {
+    if (rows == R) return q4k_half_rows_avx2<R>(p, G, K, h, XQ, XD, XS, bias, Y, N, prefetch);
+    return q4k_half_dispatch_avx2<R - 1>(rows, p, G, K, h, XQ, XD, XS, bias, Y, N, prefetch);
+  }
+}
+
+constexpr int64_t kRowsAvx2 = Q4K_ROWS_AVX2;  // rows per pass: their accumulators stay in registers
+
+static void q4k_tiles_avx2(int64_t tile_begin, int64_t tile_end, int64_t M, int64_t G, int64_t N,
+                           const uint8_t* P, const int8_t* XQ, const float* XD, const int16_t* XS,
+                           const float* B, float* Y) {
+  const int64_t K = G * kGroup, S = (G + kSuper - 1) / kSuper, TB = tile_bytes_sb(G);
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile)
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx2) {
+        const int rows = static_cast<int>(std::min(kRowsAvx2, M - m0));
+        q4k_half_dispatch_avx2<kRowsAvx2>(rows, P + tile * TB, G, K, h, XQ + m0 * K, XD + m0 * S, XS + m0 * S * kSuper,
+                                          B ? B + tile * kTile + 8 * h : nullptr, Y + m0 * N + tile * kTile + 8 * h, N,
+                                          h == 0 && m0 == 0);
+      }
+}
+#pragma GCC pop_options
+
 // x [M, K] (2-D view) times a superblock-format weight [NT, tile bytes] into y.
 void q4k_linear_into(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias, torch::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), NT = packed.size(0), G = K / kGroup, N = NT * kTile;
@@ -438,9 +546,13 @@ void q4k_linear_into(const torch::Tensor& x, const torch::Tensor& packed, const 
   const int16_t* XS = xs.data_ptr<int16_t>();
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
+  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  const bool avx2 = !wide && has_avx2 && g_force_isa != 4;
   at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
     if (wide)
       q4k_tiles_avx512(begin, end, M, G, N, P, XQ, XD, XS, B, Y);
+    else if (avx2)
+      q4k_tiles_avx2(begin, end, M, G, N, P, XQ, XD, XS, B, Y);
     else
       q4k_tiles_portable(begin, end, M, G, N, P, XQ, XD, XS, B, Y);
   });
@@ -502,6 +614,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "4-bit weight x int8 activation linear, q4 or q4k layout (batch invariant)");
   m.def("uses_vnni", []() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"); });
   m.def("set_prefetch", [](int64_t bytes) { g_prefetch = bytes; }, "measurements: software prefetch distance in bytes");
-  m.def("force_isa", [](int isa) { g_force_isa = isa; }, "tests: 0 = auto, 1 = AVX2, 2 = VNNI 256-bit, 3 = AVX-512");
+  m.def("force_isa", [](int isa) { g_force_isa = isa; }, "tests: 0 = auto, 1 = AVX2, 2 = VNNI 256-bit, 3 = AVX-512, 4 = q4k portable loop");
 }
 #endif

@@ -44,21 +44,6 @@ def available() -> bool:
     return native.has_avx2()
 
 
-def superblocks_fast() -> bool:
-    """Whether q4k is the faster 4-bit layout here, so the default: AVX-512 with VNNI (16 outputs
-    per register). With AVX2 only, q4k has a 256-bit loop too (since stop 42: one token ~6% faster
-    than q4 on Zen 3, fewer bytes; many rows level); the default there stays q4 until the shipped
-    head is measured on q4k's features. Without AVX2, a plain C++ loop (correct, slow)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= set(flags)
-
-
 def supported(in_features: int) -> bool:
     return in_features % GROUP == 0
 

@@ -62,7 +62,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* d, f
 // registers of a group add up exactly in int16 (<= 30480 < 32767), and one vpmaddwd by ones then
 // gives each output's int32 dot: the same integers as a vpmaddwd per register, with 9
 // multiplies per row and group instead of 16 (the multiply ports bound a many-row call here).
-static inline __m256i q4_idot_avx2(const __m256i wv[8], const int32_t* x4) {
+static inline __m256i q4_sum16_avx2(const __m256i wv[8], const int32_t* x4) {
   __m256i s0 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(x4[0]));
   __m256i s1 = _mm256_maddubs_epi16(wv[1], _mm256_set1_epi32(x4[4]));
   s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[2], _mm256_set1_epi32(x4[1])));
@@ -71,9 +71,23 @@ static inline __m256i q4_idot_avx2(const __m256i wv[8], const int32_t* x4) {
   s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[5], _mm256_set1_epi32(x4[6])));
   s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[6], _mm256_set1_epi32(x4[3])));
   s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[7], _mm256_set1_epi32(x4[7])));
-  return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
+  return _mm256_add_epi16(s0, s1);  // [8 outputs x 2 int16]
 }
-#define Q4K_ROWS_AVX2 4
+
+static inline __m256i q4_idot_avx2(const __m256i wv[8], const int32_t* x4) {
+  return _mm256_madd_epi16(q4_sum16_avx2(wv, x4), _mm256_set1_epi16(1));
+}
+
+// The codes of half h (outputs 8h..8h+7) of a chunk's 256 bytes as 8 registers of 4-bit values
+// (u8): wv[2r] the low nibbles of row r (inputs 4r..4r+3), wv[2r+1] the high ones (16+4r..).
+static inline void unpack_half(const uint8_t* codes, int64_t h, __m256i wv[8]) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int r = 0; r < 4; ++r) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * r + 32 * h));
+    wv[2 * r] = _mm256_and_si256(v, mask);
+    wv[2 * r + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  }
+}
 #define Q4_SUFFIX avx2
 #define Q4_IDOT(wv, x4) q4_idot_avx2(wv, x4)
 #include "q4_blocks.h"
@@ -207,6 +221,19 @@ constexpr int64_t kSuper = 8;  // groups per superblock
 
 inline int64_t sb_bytes(int64_t ng) { return ng * (kTile * kGroup / 2) + ng * kTile + ((ng + 1) / 2) * 2 * kTile + 4 * kTile; }
 
+// The parts of a tile's superblock of ng groups that starts at p (the layout above).
+struct SuperblockParts {
+  const uint8_t* sc;  // [ng][16] uint8 sub-scales
+  const uint8_t* mm;  // [ceil(ng/2)][16][2] int8 mins, by pairs of groups
+  const uint8_t* dd;  // [16] fp16 d, then [16] fp16 dmin; the next superblock follows
+};
+
+inline SuperblockParts superblock_parts(const uint8_t* p, int64_t ng) {
+  const uint8_t* sc = p + ng * (kTile * kGroup / 2);
+  const uint8_t* mm = sc + ng * kTile;
+  return {sc, mm, mm + ((ng + 1) / 2) * 2 * kTile};
+}
+
 inline int64_t tile_bytes_sb(int64_t G) {
   const int64_t full = G / kSuper, rest = G % kSuper;
   return full * sb_bytes(kSuper) + (rest ? sb_bytes(rest) : 0);
@@ -294,9 +321,10 @@ static void q4k_tiles_portable(int64_t tile_begin, int64_t tile_end, int64_t M, 
         const uint8_t* p = P + tile * TB;
         for (int64_t s = 0; s < S; ++s) {
           const int64_t ng = std::min(kSuper, G - s * kSuper);
-          const uint8_t* sc = p + ng * 256;
-          const int8_t* mm = reinterpret_cast<const int8_t*>(sc + ng * kTile);
-          const uint16_t* dd = reinterpret_cast<const uint16_t*>(mm + ((ng + 1) / 2) * 2 * kTile);
+          const SuperblockParts parts = superblock_parts(p, ng);
+          const uint8_t* sc = parts.sc;
+          const int8_t* mm = reinterpret_cast<const int8_t*>(parts.mm);
+          const uint16_t* dd = reinterpret_cast<const uint16_t*>(parts.dd);
           int32_t isc = 0, imin = 0;
           for (int64_t g = 0; g < ng; ++g) {
             const uint8_t* codes = p + g * 256;
@@ -340,9 +368,7 @@ static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const i
   for (int i = 0; i < R * kTile; ++i) accb[i] = 0.0f;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t ng = std::min(kSuper, G - s * kSuper);
-    const uint8_t* sc = p + ng * 256;
-    const uint8_t* mm = sc + ng * kTile;
-    const uint8_t* dd = mm + ((ng + 1) / 2) * 2 * kTile;
+    const auto [sc, mm, dd] = superblock_parts(p, ng);
     __m512i isc[R];
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) isc[i] = _mm512_setzero_si512();
@@ -422,38 +448,21 @@ static void q4k_tiles_avx512(int64_t tile_begin, int64_t tile_end, int64_t M, in
 
 // ---- q4k with AVX2 only (no VNNI): half a tile (8 outputs) per 256-bit register ----
 // The same integers as the reference: per row and group the eight vpmaddubsw results summed in
-// int16 (exact, as q4_idot_avx2), then one vpmaddwd by the group's sub-scales (each output's sc in
+// int16 (exact: q4_sum16_avx2), then one vpmaddwd by the group's sub-scales (each output's sc in
 // both int16 halves of its lane: sc * (s0 + s1) = sc * idot, exact in int32); the mins' dots by
 // vpmaddwd on group pairs; the float rescaling once per superblock, as the reference orders it.
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-static inline __m256i q4k_group_isc_avx2(const __m256i wv[8], const int32_t* x4, __m256i scv) {
-  __m256i s0 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(x4[0]));
-  __m256i s1 = _mm256_maddubs_epi16(wv[1], _mm256_set1_epi32(x4[4]));
-  s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[2], _mm256_set1_epi32(x4[1])));
-  s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[3], _mm256_set1_epi32(x4[5])));
-  s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[4], _mm256_set1_epi32(x4[2])));
-  s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[5], _mm256_set1_epi32(x4[6])));
-  s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[6], _mm256_set1_epi32(x4[3])));
-  s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wv[7], _mm256_set1_epi32(x4[7])));
-  return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), scv);
-}
-
 // R rows of half h (outputs 8h..8h+7) of one tile, all superblocks; R small enough that the
 // integer accumulators stay in registers next to the 8 code registers.
 template <int R>
 static void q4k_half_rows_avx2(const uint8_t* p, int64_t G, int64_t K, int64_t h, const int8_t* XQ, const float* XD,
                                const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
   const int64_t S = (G + kSuper - 1) / kSuper;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     const int64_t ng = std::min(kSuper, G - s * kSuper);
-    const uint8_t* sc = p + ng * 256;
-    const uint8_t* mm = sc + ng * kTile;
-    const uint8_t* dd = mm + ((ng + 1) / 2) * 2 * kTile;
+    const auto [sc, mm, dd] = superblock_parts(p, ng);
     __m256i isc[R];
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) isc[i] = _mm256_setzero_si256();
@@ -462,18 +471,14 @@ static void q4k_half_rows_avx2(const uint8_t* p, int64_t G, int64_t K, int64_t h
       if (prefetch)
         for (int64_t line = 0; line < 256; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
       __m256i wv[8];
-      for (int r = 0; r < 4; ++r) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * r + 32 * h));
-        wv[2 * r] = _mm256_and_si256(v, mask);
-        wv[2 * r + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-      }
+      unpack_half(chunk, h, wv);
       // sc of outputs 8h..8h+7 as int16, each in both halves of its 32-bit lane
       const __m256i sc32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + kTile * g + 8 * h)));
       const __m256i scv = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + (s * kSuper + g) * kGroup);
-        isc[i] = _mm256_add_epi32(isc[i], q4k_group_isc_avx2(wv, x4, scv));
+        isc[i] = _mm256_add_epi32(isc[i], _mm256_madd_epi16(q4_sum16_avx2(wv, x4), scv));
       }
     }
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 16 * h)));
@@ -510,7 +515,7 @@ static void q4k_half_dispatch_avx2(int rows, const uint8_t* p, int64_t G, int64_
   }
 }
 
-constexpr int64_t kRowsAvx2 = Q4K_ROWS_AVX2;  // rows per pass: their accumulators stay in registers
+constexpr int64_t kRowsAvx2 = 4;  // rows per pass: their accumulators stay in registers (6 and 8 measured level)
 
 static void q4k_tiles_avx2(int64_t tile_begin, int64_t tile_end, int64_t M, int64_t G, int64_t N,
                            const uint8_t* P, const int8_t* XQ, const float* XD, const int16_t* XS,
@@ -525,7 +530,6 @@ static void q4k_tiles_avx2(int64_t tile_begin, int64_t tile_end, int64_t M, int6
                                           h == 0 && m0 == 0);
       }
 }
-#pragma GCC pop_options
 
 // x [M, K] (2-D view) times a superblock-format weight [NT, tile bytes] into y.
 void q4k_linear_into(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias, torch::Tensor& y) {

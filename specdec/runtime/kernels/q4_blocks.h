@@ -17,7 +17,6 @@ static void Q4_CAT(q4_tiles, Q4_SUFFIX)(int64_t tile_begin, int64_t tile_end, in
                                         const uint8_t* P, const int8_t* XQ, const float* D, const float* IS,
                                         const float* B, float* Y) {
   constexpr int64_t kMaxRows = 16;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
   const int64_t K = G * kGroup;
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     for (int64_t h = 0; h < 2; ++h) {
@@ -30,11 +29,7 @@ static void Q4_CAT(q4_tiles, Q4_SUFFIX)(int64_t tile_begin, int64_t tile_end, in
         for (int64_t g = 0; g < G; ++g, chunk += kChunk) {
           for (int64_t line = 0; line < kChunk; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
           __m256i wv[8];
-          for (int r = 0; r < 4; ++r) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * r + 32 * h));
-            wv[2 * r] = _mm256_and_si256(v, mask);
-            wv[2 * r + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-          }
+          unpack_half(chunk, h, wv);
           const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 256 + 16 * h)));
           const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 288 + 16 * h)));
           for (int64_t i = 0; i < rows; ++i) {

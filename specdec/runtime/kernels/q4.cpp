@@ -446,89 +446,125 @@ static void q4k_tiles_avx512(int64_t tile_begin, int64_t tile_end, int64_t M, in
 }
 #pragma GCC pop_options
 
-// ---- q4k with AVX2 only (no VNNI): half a tile (8 outputs) per 256-bit register ----
-// The same integers as the reference: per row and group the eight vpmaddubsw results summed in
-// int16 (exact: q4_sum16_avx2), then one vpmaddwd by the group's sub-scales (each output's sc in
-// both int16 halves of its lane: sc * (s0 + s1) = sc * idot, exact in int32); the mins' dots by
-// vpmaddwd on group pairs; the float rescaling once per superblock, as the reference orders it.
-// R rows of half h (outputs 8h..8h+7) of one tile, all superblocks; R small enough that the
-// integer accumulators stay in registers next to the 8 code registers.
+// ---- q4k with AVX2 only (no VNNI): a whole tile (two 256-bit halves of 8 outputs) per pass ----
+// The same integers as the reference, grouped so that each load serves two multiplies. Per
+// group, quarter by quarter (r = 0..3): the two 32-byte code loads of row r of the chunk
+// (outputs 0-7 and 8-15) give four registers of 4-bit codes (low nibbles: inputs 4r..4r+3,
+// high: 16+4r..), and each pass row's two broadcasts (its activations 4r.. and 16+4r..) meet
+// both halves: 4 vpmaddubsw per 2 broadcasts, where a half at a time needs 8 broadcasts for 8.
+// On Zen 3 the broadcasts and the multiplies both take vector pipes, so this is what bounds a
+// multi-row call (measured: docs/CHANGELOG.md, 'q4k AVX2 whole tiles'). A row's 8 vpmaddubsw
+// results per half sum exactly in int16 (at most 8 * 3810 = 30480), widened by one vpmaddwd by
+// the group's sub-scales (each output's sc in both int16 halves of its lane: sc * (s0 + s1) =
+// sc * idot, exact in int32); the mins' dots by vpmaddwd on group pairs; the float rescaling
+// once per superblock, as the reference orders it.
+//
+// Registers: the 0x0F mask, 4 code registers, 2R int16 sums and a broadcast: R = 4 fits the 16
+// ymm registers. The empty asm after each row pins the sums in registers: without it GCC
+// hoists all of a group's multiplies and spills their products (one Zen 3 core, 5-32 rows in
+// cache: 48-52 GMAC/s against 67-75 with it).
 template <int R>
-static void q4k_half_rows_avx2(const uint8_t* p, int64_t G, int64_t K, int64_t h, const int8_t* XQ, const float* XD,
+static void q4k_tile_rows_avx2(const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, const float* XD,
                                const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
   const int64_t S = (G + kSuper - 1) / kSuper;
-  __m256 acc[R];
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  alignas(32) float acc[R][kTile];
+  for (int i = 0; i < R; ++i)
+    for (int64_t o = 0; o < kTile; ++o) acc[i][o] = 0.0f;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t ng = std::min(kSuper, G - s * kSuper);
     const auto [sc, mm, dd] = superblock_parts(p, ng);
-    __m256i isc[R];
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) isc[i] = _mm256_setzero_si256();
+    __m256i isc[R][2];  // per row and half: sum_g sc * idot, exact in int32
+    for (int i = 0; i < R; ++i) isc[i][0] = isc[i][1] = _mm256_setzero_si256();
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t* chunk = p + g * 256;
-      if (prefetch)
+      if (prefetch)  // the first pass over a tile streams it from memory; later passes read it from cache
         for (int64_t line = 0; line < 256; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
-      __m256i wv[8];
-      unpack_half(chunk, h, wv);
-      // sc of outputs 8h..8h+7 as int16, each in both halves of its 32-bit lane
-      const __m256i sc32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + kTile * g + 8 * h)));
-      const __m256i scv = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));
-#pragma GCC unroll 8
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + (s * kSuper + g) * kGroup);  // row i at x4 + i * K / 4
+      __m256i s0[R], s1[R];  // int16 sums of the halves (outputs 0-7, 8-15)
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * r));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * r + 32));
+        const __m256i w0l = _mm256_and_si256(v0, mask), w1l = _mm256_and_si256(v1, mask);
+        const __m256i w0h = _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask);
+        const __m256i w1h = _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+          const __m256i bl = _mm256_set1_epi32(x4[i * K / 4 + r]);
+          if (r == 0) {
+            s0[i] = _mm256_maddubs_epi16(w0l, bl);
+            s1[i] = _mm256_maddubs_epi16(w1l, bl);
+          } else {
+            s0[i] = _mm256_add_epi16(s0[i], _mm256_maddubs_epi16(w0l, bl));
+            s1[i] = _mm256_add_epi16(s1[i], _mm256_maddubs_epi16(w1l, bl));
+          }
+          const __m256i bh = _mm256_set1_epi32(x4[i * K / 4 + 4 + r]);
+          s0[i] = _mm256_add_epi16(s0[i], _mm256_maddubs_epi16(w0h, bh));
+          s1[i] = _mm256_add_epi16(s1[i], _mm256_maddubs_epi16(w1h, bh));
+          asm volatile("" : "+x"(s0[i]), "+x"(s1[i]));
+        }
+      }
+      // sc of outputs 0-7 and 8-15 as int16, each in both halves of its 32-bit lane
+      const __m128i scb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kTile * g));
+      const __m256i c0 = _mm256_cvtepu8_epi32(scb), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(scb, 8));
+      const __m256i scv0 = _mm256_or_si256(c0, _mm256_slli_epi32(c0, 16));
+      const __m256i scv1 = _mm256_or_si256(c1, _mm256_slli_epi32(c1, 16));
+#pragma GCC unroll 4
       for (int i = 0; i < R; ++i) {
-        const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + (s * kSuper + g) * kGroup);
-        isc[i] = _mm256_add_epi32(isc[i], _mm256_madd_epi16(q4_sum16_avx2(wv, x4), scv));
+        isc[i][0] = _mm256_add_epi32(isc[i][0], _mm256_madd_epi16(s0[i], scv0));
+        isc[i][1] = _mm256_add_epi32(isc[i][1], _mm256_madd_epi16(s1[i], scv1));
       }
     }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 16 * h)));
-    const __m256 dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 32 + 16 * h)));
     const int64_t np = (ng + 1) / 2;
-    __m256i mp[kSuper / 2];
-    for (int64_t q = 0; q < np; ++q)  // (m[2q][o], m[2q+1][o]) of outputs 8h..8h+7 as int16 pairs
-      mp[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mm + 32 * q + 16 * h)));
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const int32_t* xs2 = reinterpret_cast<const int32_t*>(XS + (i * S + s) * kSuper);
-      __m256i imin = _mm256_setzero_si256();
-      for (int64_t q = 0; q < np; ++q) imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mp[q], _mm256_set1_epi32(xs2[q])));
-      const __m256 fs = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(isc[i]));
-      const __m256 fm = _mm256_mul_ps(dmv, _mm256_cvtepi32_ps(imin));
-      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_set1_ps(XD[i * S + s]), _mm256_sub_ps(fs, fm)));
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 16 * h)));
+      const __m256 dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 32 + 16 * h)));
+      __m256i mp[kSuper / 2];
+      for (int64_t q = 0; q < np; ++q)  // (m[2q][o], m[2q+1][o]) of outputs 8h..8h+7 as int16 pairs
+        mp[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mm + 32 * q + 16 * h)));
+      for (int i = 0; i < R; ++i) {
+        const int32_t* xs2 = reinterpret_cast<const int32_t*>(XS + (i * S + s) * kSuper);
+        __m256i imin = _mm256_setzero_si256();
+        for (int64_t q = 0; q < np; ++q) imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mp[q], _mm256_set1_epi32(xs2[q])));
+        const __m256 fs = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(isc[i][h]));
+        const __m256 fm = _mm256_mul_ps(dmv, _mm256_cvtepi32_ps(imin));
+        const __m256 a = _mm256_load_ps(acc[i] + 8 * h);
+        _mm256_store_ps(acc[i] + 8 * h, _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(XD[i * S + s]), _mm256_sub_ps(fs, fm))));
+      }
     }
     p = dd + 64;
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    __m256 out = acc[i];
-    if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias));
-    _mm256_storeu_ps(Y + i * N, out);
-  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t h = 0; h < 2; ++h) {
+      __m256 out = _mm256_load_ps(acc[i] + 8 * h);
+      if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + 8 * h));
+      _mm256_storeu_ps(Y + i * N + 8 * h, out);
+    }
 }
 
 template <int R>
-static void q4k_half_dispatch_avx2(int rows, const uint8_t* p, int64_t G, int64_t K, int64_t h, const int8_t* XQ,
-                                   const float* XD, const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
+static void q4k_tile_dispatch_avx2(int rows, const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, const float* XD,
+                                   const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
   if constexpr (R > 0) {
-    if (rows == R) return q4k_half_rows_avx2<R>(p, G, K, h, XQ, XD, XS, bias, Y, N, prefetch);
-    return q4k_half_dispatch_avx2<R - 1>(rows, p, G, K, h, XQ, XD, XS, bias, Y, N, prefetch);
+    if (rows == R) return q4k_tile_rows_avx2<R>(p, G, K, XQ, XD, XS, bias, Y, N, prefetch);
+    return q4k_tile_dispatch_avx2<R - 1>(rows, p, G, K, XQ, XD, XS, bias, Y, N, prefetch);
   }
 }
 
-constexpr int64_t kRowsAvx2 = 4;  // rows per pass: their accumulators stay in registers (6 and 8 measured level)
+constexpr int64_t kRowsAvx2 = 4;  // the most rows whose sums fit the registers (see above)
 
 static void q4k_tiles_avx2(int64_t tile_begin, int64_t tile_end, int64_t M, int64_t G, int64_t N,
                            const uint8_t* P, const int8_t* XQ, const float* XD, const int16_t* XS,
                            const float* B, float* Y) {
   const int64_t K = G * kGroup, S = (G + kSuper - 1) / kSuper, TB = tile_bytes_sb(G);
+  const int64_t passes = (M + kRowsAvx2 - 1) / kRowsAvx2, per = (M + passes - 1) / passes;  // balanced: 5 rows = 3 + 2
   for (int64_t tile = tile_begin; tile < tile_end; ++tile)
-    for (int64_t h = 0; h < 2; ++h)
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx2) {
-        const int rows = static_cast<int>(std::min(kRowsAvx2, M - m0));
-        q4k_half_dispatch_avx2<kRowsAvx2>(rows, P + tile * TB, G, K, h, XQ + m0 * K, XD + m0 * S, XS + m0 * S * kSuper,
-                                          B ? B + tile * kTile + 8 * h : nullptr, Y + m0 * N + tile * kTile + 8 * h, N,
-                                          h == 0 && m0 == 0);
-      }
+    for (int64_t m0 = 0; m0 < M; m0 += per) {
+      const int rows = static_cast<int>(std::min(per, M - m0));
+      q4k_tile_dispatch_avx2<kRowsAvx2>(rows, P + tile * TB, G, K, XQ + m0 * K, XD + m0 * S, XS + m0 * S * kSuper,
+                                        B ? B + tile * kTile : nullptr, Y + m0 * N + tile * kTile, N, m0 == 0);
+    }
 }
 
 // x [M, K] (2-D view) times a superblock-format weight [NT, tile bytes] into y.

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from specdec.adaptive import K_MAX, AdaptiveK, ShapeRace, TreeBudget
+from specdec.adaptive import K_MAX, AdaptiveK, CallCosts, ShapeRace, TreeBudget
 from specdec.blocks import Block, ChainBlock, RowKind, block_of, row_kind
 from specdec.metrics import GenerationMetrics, Timings
 from specdec.prefix_cache import PrefixCache
@@ -181,6 +181,9 @@ class Engine:
                  prefix_cache: PrefixCache | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
+        # What a target call costs by the positions it scores is one fact about the machine, not
+        # about the proposer: every controller learns it from every call (one CallCosts).
+        self.call_costs = CallCosts()
         # trees or chains, measured per source (adaptive k with a proposer that drafts trees)
         self.races: dict[str, ShapeRace] | None = None
         self._source: str | None = None  # the source of this step's proposal
@@ -438,7 +441,8 @@ class Engine:
         tree = tree_shape(self.proposer.tree_mode, wanted, params)
         key = f"{self._source}:{'tree' if tree else 'chain'}"
         if key not in self.controllers:
-            self.controllers[key] = TreeBudget(self.k_max) if tree else AdaptiveK(k_max=self.k_max)
+            self.controllers[key] = (TreeBudget(self.k_max, verify_cost=self.call_costs) if tree
+                                     else AdaptiveK(k_max=self.k_max, verify_cost=self.call_costs))
         return self.controllers[key], tree
 
     def _propose(self, controller, pending: list[list[int]], tree: bool) -> Block:

@@ -154,6 +154,9 @@ def test_greedy_rows_stay_identical_when_the_batch_switches_to_chains(target):
     assert len(sampled.token_ids) == 30
     assert {key.split(":")[1] for key in engine.controllers} == {"tree", "chain"}
     assert any(set(race.seconds) == {True, False} for race in engine.races.values())  # a race measured both shapes
+    # one measure of what a call costs, learned from every source's and shape's calls
+    assert all(c.verify_cost is engine.call_costs for c in engine.controllers.values())
+    assert len(engine.call_costs.shape) >= 2
 
 
 def test_suffix_best_path_follows_the_most_frequent_children():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specdec.bench import jobs, plots, report
 from specdec.bench.report import write_report
 from specdec.metrics import AcceptanceStats
@@ -243,3 +245,26 @@ def test_serve_bench_levels_send_new_prompts_until_the_list_runs_out():
     assert slices[(0, 1)] == list(range(6)) and slices[(0, 4)] == list(range(6, 18))
     assert slices[(1, 1)] == [18, 19, 0, 1, 2, 3]  # wrapped: the bench restarts the server first
     assert len(slices[(1, 4)]) == 12
+
+
+def test_speed_ceiling_bounds_follow_the_cost_model():
+    ceiling = _script("speed_ceiling")
+    costs = ceiling.parse_costs("1:1,5:1.8,9:3.0")
+    assert ceiling.relative_cost(costs, 3) == 1.4 and abs(ceiling.relative_cost(costs, 13) - 4.2) < 1e-12
+    assert ceiling.best_k(0.0, costs, 0.0, 8) == (0, 1.0)  # drafts never hold: plain decoding
+    k, per_token = ceiling.best_k(1.0, costs, 0.0, 8)  # drafts always hold: the most positions per second
+    assert k == 8 and abs(per_token - 3.0 / 9) < 1e-12
+    assert abs(ceiling.expected_tokens(0.5, 2) - 1.75) < 1e-12
+
+    def plain(category, ttft, total):
+        return {"method": "plain", "category": category, "prompt": 0, "temperature": 0.0,
+                "metrics": {"ttft_s": ttft, "total_s": total, "generated_tokens": 10}}
+
+    runs = [plain("qa", 1.0, 4.0), plain("code", 0.0, 3.0), plain("code", 2.0, 2.0)]
+    row = ceiling.bounds(runs, 1.0, costs, 0.0, 8, 0.0)
+    # qa: 4 / (1 + 3 / 3) = 2; code: median of 3 / 1 and 2 / 2
+    assert abs(row["categories"]["qa"] - 2.0) < 1e-12 and abs(row["categories"]["code"] - 2.0) < 1e-12
+    assert abs(ceiling.bounds(runs, 0.0, costs, 0.0, 8, 0.0)["median"] - 1.0) < 1e-12
+    assert abs(ceiling.prefill_share(runs, 0.0) - 0.25) < 1e-12
+    with pytest.raises(ValueError, match="n = 1"):
+        ceiling.parse_costs("2:1.1,5:1.8")

@@ -292,7 +292,8 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     # stage 2 again, from the head just made (no stage 1): the card keeps both records and commands
     card = json.loads(out.with_suffix(".json").read_text())
     out2 = tmp_path / "head2.safetensors"
-    again = ["train-head", "--target", str(model), "--dtype", "float32", "--out", str(out2), "--tokens", "20000",
+    # in another runtime dtype of the same target: a continuation, which the card records
+    again = ["train-head", "--target", str(model), "--dtype", "bfloat16", "--out", str(out2), "--tokens", "20000",
              "--corpus-root", str(sources), "--workdir", str(tmp_path / "work2"), "--init-head", str(out),
              "--answers", "python-docs:0-2", "--finetune-steps", "2", "--new-vocab"]
     code, _, err = _run(capsys, *again[:-5], "--answers", "python-docs:9-10", "--finetune-steps", "2")
@@ -304,6 +305,7 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     assert card2["held_out"] == card["held_out"]
     assert card2["finetune_earlier"]["own_answer_tokens"] == card["finetune"]["own_answer_tokens"]
     assert card2["init_head"]["sha256"] == card["sha256"]
+    assert card2["init_head"]["target_dtype"] == "float32" and card2["target_dtype"] == "bfloat16"
     assert card2["command"].startswith(card["command"] + "; then specdec train-head")
     assert card2["finetune"]["own_answer_sequences"] >= 2 and card2["finetune"]["corpus_mixed_in"] == 0
     assert card2["finetune"]["answers"] == ["python-docs:0-2"] and "--answer-batches 2" in card2["command"]

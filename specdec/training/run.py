@@ -132,9 +132,11 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         command = _stage1_command(target, max_tokens, max_sequences, cfg) + (" --fused-features" if layers else "")
     else:
         net, card = _init_net(init_head, model, full_rows, cfg.seed, layers)
-        if card.get("target") != target.name or card.get("target_dtype") != model.dtype_name:
-            raise ValueError(f"init_head {init_head} was trained for {card.get('target')} ({card.get('target_dtype')}), "
-                             f"not {target.name} ({model.dtype_name})")
+        if card.get("target") != target.name:
+            raise ValueError(f"init_head {init_head} was trained for {card.get('target')}, not {target.name}")
+        # Another runtime dtype of the same target is a continuation: its features differ by rounding
+        # (q4 against q4k), and the head now learns the ones it will read. The card says from which.
+        earlier_dtype, card["target_dtype"] = card.get("target_dtype"), model.dtype_name
         beside = init_head.with_suffix(".json")  # the card written next to it: its command, full records
         full = json.loads(beside.read_text()) if beside.exists() else {}
         command = card.pop("command", None) or full.get("command")
@@ -142,7 +144,8 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         earlier = card.pop("finetune", None)
         if earlier is not None:
             card["finetune_earlier"] = full.get("finetune", earlier)
-        card["init_head"] = {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest()} | (
+        card["init_head"] = {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest(),
+                             "target_dtype": earlier_dtype} | (
             {"earlier": card["init_head"]} if "init_head" in card else {})  # the whole chain of heads stays on record
         dataset, train_ids = Dataset([]), []
         command = command or f"(the command that made {init_head.name} was not recorded)"

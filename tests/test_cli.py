@@ -324,6 +324,15 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     card3 = json.loads(out3.with_suffix(".json").read_text())
     assert card3["init_head"]["sha256"] == card["sha256"] and len(card3["final_losses"]) == 2
     assert len(card3["held_out_eval"]["before"]["greedy"]) == len(card3["held_out_eval"]["after"]["greedy"]) == 2
+    # a head made for another target (the same shapes, another model) is refused on both paths
+    import shutil
+
+    other = shutil.copytree(model, tmp_path / "other-model")
+    for stage in (["--steps", "3"], ["--answers", "python-docs:0-1", "--finetune-steps", "2"]):
+        code, _, err = _run(capsys, "train-head", "--target", str(other), "--dtype", "float32", "--out",
+                            str(tmp_path / "h4.safetensors"), "--tokens", "20000", "--corpus-root", str(sources),
+                            "--workdir", str(tmp_path / "work4"), "--init-head", str(out), "--label-top-k", "8", *stage)
+        assert code == 2 and f"was trained for {model}, not {other}" in err, err
     code, _, err = _run(capsys, "train-head", "--target", str(model), "--out", str(out2), "--answers-only")
     assert code == 2 and "--label-top-k" in err
     code, _, err = _run(capsys, "train-head", "--target", str(model), "--out", str(out2), "--new-vocab")

@@ -131,11 +131,7 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
                                                 workdir / _features_dir(source, seq_len, layers), layers)
         command = _stage1_command(target, max_tokens, max_sequences, cfg) + (" --fused-features" if layers else "")
     else:
-        net, card = _init_net(init_head, model, full_rows, cfg.seed, layers)
-        if card.get("target") != target.name:
-            raise ValueError(f"init_head {init_head} was trained for {card.get('target')}, not {target.name}")
-        # Another runtime dtype of the same target is a continuation: its features differ by rounding
-        # (q4 against q4k), and the head now learns the ones it will read. The card says from which.
+        net, card = _init_net(init_head, target, full_rows, cfg.seed, layers)
         earlier_dtype, card["target_dtype"] = card.get("target_dtype"), model.dtype_name
         beside = init_head.with_suffix(".json")  # the card written next to it: its command, full records
         full = json.loads(beside.read_text()) if beside.exists() else {}
@@ -190,10 +186,17 @@ def _fused_suffix(layers: tuple[int, ...]) -> str:
     return "".join(f"-{i}" for i in ("fused",) + layers) if layers else ""
 
 
-def _init_net(init_head: Path, model, full_rows, seed: int, layers: tuple[int, ...]) -> tuple[HeadNet, dict]:
+def _init_net(init_head: Path, target: LoadedModel, full_rows, seed: int,
+              layers: tuple[int, ...]) -> tuple[HeadNet, dict]:
     """The head in ``init_head`` as a trainable net reading ``layers`` (and its card): a head that
-    reads the last block's features alone, asked to read fused ones, starts as the same function."""
+    reads the last block's features alone, asked to read fused ones, starts as the same function.
+    The head must have been made for ``target``; another runtime dtype of it is a continuation
+    (its features differ by rounding, q4 against q4k, and the head learns the ones it will read;
+    the new card records the earlier dtype under ``init_head``)."""
+    model = target.model
     head_cfg, state, vocab_ids, card = read_head(init_head)
+    if card.get("target") != target.name:
+        raise ValueError(f"init_head {init_head} was trained for {card.get('target')}, not {target.name}")
     if head_cfg.target_vocab_size != model.vocab_size or head_cfg.hidden_size != model.cfg.hidden_size:
         raise ValueError(f"init_head {init_head} was trained for another target")
     if head_cfg.feature_layers not in ((), layers):
@@ -294,7 +297,7 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
     corpus's features (top-k labels, answers only when ``cfg.answers_only``), then evaluate the
     head before and after on held-out ShareGPT conversations; returns the card."""
     model = target.model
-    net, old_card = _init_net(init_head, model, full_rows, cfg.seed, layers)
+    net, old_card = _init_net(init_head, target, full_rows, cfg.seed, layers)
     feature_dir = workdir / _features_dir(source, seq_len, layers)
     t = time.perf_counter()
     features.extract(model, sequences, feature_dir, layers)
@@ -319,6 +322,7 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
         "target": target.name, "target_dtype": model.dtype_name, "train_config": asdict(cfg),
         "training_precision": precision(),
         "init_head": {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest(),
+                      "target_dtype": old_card.get("target_dtype"),
                       "card": {k: old_card.get(k) for k in ("corpus", "held_out", "finetune") if k in old_card}},
         "corpus": {k: v for k, v in data["manifest"].items() if k != "sources"} | {
             "sequences_used": len(train_ids), "train_tokens": sum(dataset.rows[i][0].shape[0] for i in train_ids)},

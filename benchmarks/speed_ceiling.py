@@ -30,6 +30,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from specdec import adaptive
+
 
 def parse_costs(text: str) -> dict[int, float]:
     """``"1:1,5:1.89"`` -> {1: 1.0, 5: 1.89}; n = 1 must be there (the unit)."""
@@ -38,33 +40,18 @@ def parse_costs(text: str) -> dict[int, float]:
         raise ValueError("verify_costs must give n = 1 as 1.0 (the unit of a one-position call)")
     if any(n < 1 or c <= 0 for n, c in costs.items()):
         raise ValueError("verify_costs needs positions n >= 1 and positive costs")
+    if len(costs) < 2:
+        raise ValueError("verify_costs needs a second size: the cost of more positions is what is bounded")
     return costs
 
 
-def relative_cost(costs: dict[int, float], n: int) -> float:
-    """r(n) by linear interpolation between the measured sizes, extrapolated from the last two."""
-    if n in costs:
-        return costs[n]
-    known = sorted(costs.items())
-    if len(known) == 1:
-        raise ValueError("verify_costs needs at least two sizes to extrapolate")
-    lo = max((p for p in known if p[0] < n), default=known[0], key=lambda p: p[0])
-    hi = min((p for p in known if p[0] > n), default=None, key=lambda p: p[0])
-    if hi is None:
-        lo, hi = known[-2], known[-1]
-    return lo[1] + (hi[1] - lo[1]) * (n - lo[0]) / (hi[0] - lo[0])
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """E(k) = 1 + a + ... + a^k: tokens one call commits when each draft holds with probability a."""
-    return sum(a ** i for i in range(k + 1))
-
-
 def best_k(a: float, costs: dict[int, float], draft_cost: float, k_max: int) -> tuple[int, float]:
-    """(k, steps of time per token) minimising (r(k + 1) + k c) / E(k) over 0 <= k <= k_max."""
-    per_token = {k: (relative_cost(costs, k + 1) + k * draft_cost) / expected_tokens(a, k) for k in range(k_max + 1)}
-    k = min(per_token, key=lambda k: (per_token[k], k))
-    return k, per_token[k]
+    """(k, steps of time per token) at acceptance ``a`` at every position: the choice of
+    ``--k auto``'s controller (:func:`specdec.adaptive.best_k`) given these costs, r(n)
+    interpolated as the controller does (:func:`specdec.adaptive.verify_costs`)."""
+    accept, verify = [a] * k_max, adaptive.verify_costs(costs, k_max + 1)  # verify[n - 1]: n positions
+    k = adaptive.best_k(accept, draft_cost, verify, k_max)
+    return k, (verify[k] + k * draft_cost) / adaptive.expected_tokens(accept, k)
 
 
 def bounds(runs: list[dict], a: float, costs: dict[int, float], draft_cost: float, k_max: int,
@@ -72,14 +59,13 @@ def bounds(runs: list[dict], a: float, costs: dict[int, float], draft_cost: floa
     """End-to-end and decode ratios over ``plain`` at acceptance ``a``: per-category medians and
     their median, as the bench summarises."""
     k, per_token = best_k(a, costs, draft_cost, k_max)
-    e2e, dec = defaultdict(list), defaultdict(list)
+    e2e = defaultdict(list)
     for r in runs:
         m = r["metrics"]
         if r["method"] != "plain" or r["temperature"] != temperature or m["generated_tokens"] < 2:
             continue
         t0, decode = m["ttft_s"], m["total_s"] - m["ttft_s"]
         e2e[r["category"]].append((t0 + decode) / (t0 + decode * per_token))
-        dec[r["category"]].append(1 / per_token)
     cats = {c: statistics.median(v) for c, v in e2e.items()}
     return {"a": a, "k": k, "decode": 1 / per_token, "categories": cats,
             "median": statistics.median(cats.values()) if cats else float("nan")}

@@ -250,11 +250,16 @@ def test_serve_bench_levels_send_new_prompts_until_the_list_runs_out():
 def test_speed_ceiling_bounds_follow_the_cost_model():
     ceiling = _script("speed_ceiling")
     costs = ceiling.parse_costs("1:1,5:1.8,9:3.0")
-    assert ceiling.relative_cost(costs, 3) == 1.4 and abs(ceiling.relative_cost(costs, 13) - 4.2) < 1e-12
     assert ceiling.best_k(0.0, costs, 0.0, 8) == (0, 1.0)  # drafts never hold: plain decoding
     k, per_token = ceiling.best_k(1.0, costs, 0.0, 8)  # drafts always hold: the most positions per second
     assert k == 8 and abs(per_token - 3.0 / 9) < 1e-12
-    assert abs(ceiling.expected_tokens(0.5, 2) - 1.75) < 1e-12
+    k, per_token = ceiling.best_k(1.0, costs, 0.0, 12)  # r(13) extrapolated from the last two sizes: 4.2
+    assert k == 12 and abs(per_token - 4.2 / 13) < 1e-12
+    # r(2) = 1.2 and r(3) = 1.4 interpolated; at a = 0.6, E(1) = 1.6 and E(2) = 1.96: 0.75 against 0.714 a token
+    k, per_token = ceiling.best_k(0.6, costs, 0.0, 2)
+    assert k == 2 and abs(per_token - 1.4 / 1.96) < 1e-12
+    k, per_token = ceiling.best_k(0.6, costs, 0.1, 2)  # a draft at 0.1 of a step: 1.3 / 1.6 against 1.6 / 1.96
+    assert k == 1 and abs(per_token - 1.3 / 1.6) < 1e-12
 
     def plain(category, ttft, total):
         return {"method": "plain", "category": category, "prompt": 0, "temperature": 0.0,
@@ -268,3 +273,5 @@ def test_speed_ceiling_bounds_follow_the_cost_model():
     assert abs(ceiling.prefill_share(runs, 0.0) - 0.25) < 1e-12
     with pytest.raises(ValueError, match="n = 1"):
         ceiling.parse_costs("2:1.1,5:1.8")
+    with pytest.raises(ValueError, match="second size"):
+        ceiling.parse_costs("1:1")

@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top-k", type=int, default=0, help="label_top_k (0: full soft labels, the old loss)")
     ap.add_argument("--answers-only", action="store_true", help="train only the assistant's tokens (Qwen's ChatML header)")
+    ap.add_argument("--chain-share", type=float, default=1.0, help="train the chains of this share of the slots (with --top-k)")
     args = ap.parse_args()
     data = Dataset(features.load_shards(Path(args.features))[: args.shards])
     e = data.rows[0][1].shape[1]
@@ -49,7 +50,8 @@ def main() -> None:
         tokens, feats, lengths = data.batch(order(ids, i, args.batch, 0))
         if args.top_k:
             trained = answer_mask(tokens, QWEN_HEADER, QWEN_ENDS) if args.answers_only else None
-            losses = pass_losses_top_k(net, tokens, feats, lengths, tc.passes, args.top_k, trained)
+            chains = torch.Generator().manual_seed(i)
+            losses = pass_losses_top_k(net, tokens, feats, lengths, tc.passes, args.top_k, trained, args.chain_share, chains)
         else:
             losses = pass_losses(net, tokens, feats, lengths, tc.passes)
         opt.zero_grad(set_to_none=True)
@@ -62,7 +64,7 @@ def main() -> None:
     for i in range(1, args.steps + 1):
         n += step(i)
     dt = time.perf_counter() - t
-    print(f"{precision()}  threads {torch.get_num_threads()}  top-k {args.top_k}  answers-only {args.answers_only}  "
+    print(f"{precision()}  threads {torch.get_num_threads()}  top-k {args.top_k}  answers-only {args.answers_only}  chain share {args.chain_share:g}  "
           f"{n} tokens in {dt:.1f} s: {n / dt:.0f} tokens/s ({args.steps} steps of {args.batch} sequences)")
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

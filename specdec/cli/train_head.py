@@ -83,6 +83,10 @@ def add(sub: argparse._SubParsersAction) -> None:
                         "(faster; 0: the full distribution over the head's vocabulary, the default)")
     p.add_argument("--answers-only", action="store_true",
                    help="train only the slots that predict an assistant's token (needs --label-top-k)")
+    p.add_argument("--chain-share", type=float, default=1.0,
+                   help="train the drafting chains from this random share of the slots, drawn anew each step: "
+                        "about this share of the head layer's cost per token, the same expected loss "
+                        "(needs --label-top-k; default: %(default)s, every slot)")
     p.set_defaults(func=run)
 
 def run(args: argparse.Namespace) -> int:
@@ -123,10 +127,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--init-head {init} is not a file")
     if args.answers_only and not args.label_top_k:
         raise UsageError("--answers-only needs --label-top-k")
+    if not 0 < args.chain_share <= 1:
+        raise UsageError(f"--chain-share must be in (0, 1], got {args.chain_share}")
+    if args.chain_share != 1 and not args.label_top_k:
+        raise UsageError("--chain-share needs --label-top-k")
     gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
     cfg = TrainConfig(vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, passes=args.passes,
                       steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed,
-                      label_top_k=args.label_top_k, answers_only=args.answers_only)
+                      label_top_k=args.label_top_k, answers_only=args.answers_only,
+                      chain_share=args.chain_share)
     workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, args.dtype)
     card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
                answers, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,

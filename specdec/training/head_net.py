@@ -154,6 +154,80 @@ class HeadNet(torch.nn.Module):
             outs.append(x + mlp)
         return outs
 
+    def chains(self, hidden: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+               num_passes: int) -> list[torch.Tensor]:
+        """Outputs ``[B, n, E]`` of draft steps 1..``num_passes`` along the drafting chains that
+        start at slots ``anchors`` ``[B, n]`` (-1: no chain), as drafting computes them with
+        teacher-forced tokens: step m of the chain from anchor a sits at slot s = a+m-1 and equals
+        :meth:`passes`'s pass m there (tests/test_training.py checks it slot by slot).
+
+        Why it is the same function: pass m at slot s reads the previous pass's output at s-1 (the
+        chain's step m-1) and the token after s, and attends to pass-1 keys at slots <= s-m+1 = a
+        and to the keys of passes m, m-1, .., 2 at slots s, s-1, .., a+1 — the chain's own steps.
+        So a chain needs, outside itself, only pass 1's keys and values at slots <= a, which come
+        from the layer's input projection alone (``fc``, then q/k/v). Every slot pays that (~6M of
+        the layer's ~29M multiply-adds); the rest (queries, attention output, MLP, the output rows)
+        is paid only along the chains: training on a fraction of the slots' chains costs about
+        that fraction of the layer, with the same expected loss.
+        """
+        cfg = self.cfg
+        bsz, length = hidden.shape[:2]
+        e, hd, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
+        rep = cfg.num_heads // kvh
+        n = anchors.shape[1]
+        a = anchors.clamp(min=0)  # [B, n]
+        emb = self.embed[tokens.clamp(min=0)[:, 1:]].float()  # [B, L-1, E] the token after each slot
+        emb = torch.cat([emb, emb.new_zeros(bsz, 1, e)], 1)  # [B, L, E]
+        cos, sin = (t[:length] for t in self._rope)  # [L, D]
+        at = lambda t, idx: t.gather(1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))  # noqa: E731  [B, n, C]
+
+        # pass 1's keys and values at every slot: what every chain attends to
+        x = F.linear(self.fc_input(self.first_feature(hidden), emb), self.fc)  # [B, L, E]
+        h = rms_norm(x, self.norm_in, cfg.rms_norm_eps, False)
+        prefix_k = self._proj(h, "self_attn.k_proj", "k").view(bsz, length, kvh, hd).transpose(1, 2)  # [B, kvh, L, D]
+        prefix_k = apply_rope(prefix_k, cos.view(1, 1, length, -1), sin.view(1, 1, length, -1))
+        prefix_v = self._proj(h, "self_attn.v_proj", "v").view(bsz, length, kvh, hd).transpose(1, 2)
+        allowed = torch.arange(length).view(1, 1, length) <= a.unsqueeze(-1)  # [B, n, L] slots <= anchor
+        allowed = allowed.view(bsz, 1, 1, n, length)
+
+        chain_k, chain_v, outs = [], [], []
+        for m in range(1, num_passes + 1):
+            s = (a + m - 1).clamp(max=length - 1)  # [B, n] the step's slot (clamped past the end: not trained)
+            if m == 1:
+                x_m, h_m = at(x, s), at(h, s)  # [B, n, E]
+            else:
+                x_m = F.linear(self.fc_input(outs[-1], at(emb, s)), self.fc)  # [B, n, E]
+                h_m = rms_norm(x_m, self.norm_in, cfg.rms_norm_eps, False)
+            cos_s, sin_s = cos[s].unsqueeze(2), sin[s].unsqueeze(2)  # [B, n, 1, D]
+            q = apply_rope(self._proj(h_m, "self_attn.q_proj", "q").view(bsz, n, kvh * rep, hd), cos_s, sin_s)
+            q = q.view(bsz, n, kvh, rep, hd).permute(0, 2, 3, 1, 4)  # [B, kvh, rep, n, D], head = kv * rep + r
+            if m > 1:  # this step's own key: pass 1's is among the prefix's
+                k = apply_rope(self._proj(h_m, "self_attn.k_proj", "k").view(bsz, n, kvh, hd), cos_s, sin_s)
+                chain_k.append(k.permute(0, 2, 1, 3).unsqueeze(2))  # [B, kvh, 1, n, D]
+                chain_v.append(self._proj(h_m, "self_attn.v_proj", "v").view(bsz, n, kvh, hd).permute(0, 2, 1, 3).unsqueeze(2))
+            attn = self._attend_chain(q, prefix_k, prefix_v, allowed, chain_k, chain_v)  # [B, kvh, rep, n, D]
+            attn = attn.permute(0, 3, 1, 2, 4).reshape(bsz, n, -1)  # [B, n, Hq D], head = kv * rep + r
+            x_m = x_m + self._proj(attn, "self_attn.o_proj")
+            h_m = rms_norm(x_m, self.norm_post, cfg.rms_norm_eps, False)
+            outs.append(x_m + self._proj(F.silu(self._proj(h_m, "mlp.gate_proj")) * self._proj(h_m, "mlp.up_proj"), "mlp.down_proj"))
+        return outs
+
+    @staticmethod
+    def _attend_chain(q, prefix_k, prefix_v, allowed, chain_k, chain_v) -> torch.Tensor:
+        """Grouped attention of chain queries ``[B, kvh, rep, n, D]`` over the prefix keys
+        ``[B, kvh, L, D]`` where ``allowed`` ``[B, 1, 1, n, L]`` and the chain's own keys
+        ``[B, kvh, 1, n, D]`` each."""
+        bsz, kvh, rep, n, hd = q.shape
+        scale = 1.0 / math.sqrt(hd)
+        prefix = (q.reshape(bsz, kvh, rep * n, hd) @ prefix_k.transpose(-1, -2)).view(bsz, kvh, rep, n, -1) * scale
+        scores = [prefix.masked_fill(~allowed, float("-inf"))] + [(q * k).sum(-1, keepdim=True) * scale for k in chain_k]
+        probs = torch.softmax(torch.cat(scores, -1), -1)  # [B, kvh, rep, n, L + m-1]
+        length = prefix_k.shape[2]
+        out = (probs[..., :length].reshape(bsz, kvh, rep * n, length) @ prefix_v).view(bsz, kvh, rep, n, hd)
+        for j, v in enumerate(chain_v):
+            out = out + probs[..., length + j : length + j + 1] * v
+        return out
+
     def _attend(self, q: torch.Tensor, keys: list, values: list, m: int) -> torch.Tensor:
         """Attention of pass ``m``'s queries ``[B, H, L, D]``: pass-1 keys at slots <= i-m+1, and
         for d = 0..m-2 the key of slot i-d from pass m-d (see :meth:`passes`)."""

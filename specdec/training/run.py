@@ -160,8 +160,7 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         card["command"] = (f"{command}; then specdec train-head --target {target.name} --dtype {model.dtype_name} "
                            f"--tokens {max_tokens} --lr {cfg.lr} --seed {cfg.seed} --init-head {init_head.name}"
                            + (" --fused-features" if layers else "")
-                           + (f" --label-top-k {cfg.label_top_k}" if cfg.label_top_k else "")
-                           + (" --answers-only" if cfg.answers_only else "") + f"{stage2} --out {out.name}")
+                           + _loss_options(cfg) + f"{stage2} --out {out.name}")
     save_head(out, net.cfg, net.export(), net.vocab_ids, card)
     card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
     card["bytes"] = out.stat().st_size
@@ -336,8 +335,8 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
     card["features"] = _features_read(layers, model.cfg.num_layers)
     card["command"] = (f"specdec train-head --target {target.name} --dtype {model.dtype_name} --corpus {source} "
                        f"--seq-len {seq_len} --sequences {len(sequences)} --init-head {init_head.name} "
-                       f"--steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr} --label-top-k {cfg.label_top_k}"
-                       + (" --answers-only" if cfg.answers_only else "") + (" --fused-features" if layers else "")
+                       f"--steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr}"
+                       + _loss_options(cfg) + (" --fused-features" if layers else "")
                        + f" --out {out.name}")
     save_head(out, net.cfg, net.export(), net.vocab_ids, card)
     card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
@@ -350,7 +349,14 @@ def _stage1_command(target, max_tokens, max_sequences, cfg) -> str:
     return (f"specdec train-head --target {target.name} --dtype {target.model.dtype_name} --tokens {max_tokens}"
             + (f" --sequences {max_sequences}" if max_sequences else "")
             + f" --steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr} --vocab-size {cfg.vocab_size}"
-            f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed}")
+            f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed}" + _loss_options(cfg))
+
+
+def _loss_options(cfg: TrainConfig) -> str:
+    """The command-line options of ``cfg``'s loss, as a card records them."""
+    return ((f" --label-top-k {cfg.label_top_k}" if cfg.label_top_k else "")
+            + (" --answers-only" if cfg.answers_only else "")
+            + (f" --chain-share {cfg.chain_share:g}" if cfg.chain_share != 1 else ""))
 
 
 def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int | range, eos_ids, encode_chat,
@@ -530,7 +536,9 @@ def _corpus_line(card: dict) -> str:
     return (f"\n- **Corpus fine-tune:** {c['sequences_used']} windows (<= {c['seq_len']} tokens) of "
             f"{', '.join(c.get('packages', []))}, {c['train_tokens']} tokens; {t['steps']} steps x "
             f"{t['batch_sequences']} windows at lr {t['lr']}, top-{t.get('label_top_k')} labels"
-            + (", answers only" if t.get("answers_only") else "") + f", {card['training_seconds'] / 60:.0f} min. "
+            + (", answers only" if t.get("answers_only") else "")
+            + (f", chains from {t['chain_share']:g} of the slots" if t.get("chain_share", 1) != 1 else "")
+            + f", {card['training_seconds'] / 60:.0f} min. "
             f"{e.get('set', 'Held out')}, greedy acceptance per position: {e.get('before', {}).get('greedy')} before, "
             f"{e.get('after', {}).get('greedy')} after.")
 

@@ -43,6 +43,9 @@ class TrainConfig:
     # only at the slots that are trained (see :func:`pass_losses`): ~3x fewer bytes moved per step.
     label_top_k: int = 0
     answers_only: bool = False  # train only the slots that predict an assistant's token
+    # with label_top_k: train the drafting chains of this share of the slots, drawn anew each step
+    # (pass_losses_top_k): ~this share of the layer's cost per token, the same expected loss
+    chain_share: float = 1.0
 
 
 def split(num_sequences: int, every: int) -> tuple[list[int], list[int]]:
@@ -176,39 +179,78 @@ def answer_mask(tokens: torch.Tensor, header: list[int], ends: set[int], last_on
 
 
 def pass_losses_top_k(net: HeadNet, tokens, feats, lengths, passes: int, k: int,
-                      trained: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """:func:`pass_losses` with the target's top-``k`` labels, computed only where it trains.
+                      trained: torch.Tensor | None = None, chain_share: float = 1.0,
+                      generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """:func:`pass_losses` with the target's top-``k`` labels, computed only where it trains,
+    along drafting chains from a random ``chain_share`` of the slots.
 
     Slot i of pass m predicts the token at i+2 (see :meth:`HeadNet.passes`); its label is the
     target's distribution there, read from the feature at i+1. ``trained`` ``[B, L]`` marks the
-    positions whose token is learned (None: all). The rows of the valid slots are gathered before
-    the output layer, so padding and untrained slots cost nothing there. With ``p`` the target's
-    top-k probabilities renormalised over ids ``t_1..t_k`` and ``z`` the head's subset logits,
-    cross-entropy is ``-sum_j p_j log softmax(z)_{t_j} = logsumexp(z) - sum_j p_j z_{t_j}``: one
-    reduction over the subset, no full-size product."""
-    slots = torch.arange(tokens.shape[1] - 1)
+    positions whose token is learned (None: all). With ``p`` the target's top-k probabilities
+    renormalised over ids ``t_1..t_k`` and ``z`` the head's subset logits, cross-entropy is
+    ``-sum_j p_j log softmax(z)_{t_j} = logsumexp(z) - sum_j p_j z_{t_j}``: one reduction over
+    the subset, no full-size product.
+
+    Pass m's slots are reached as step m of the chain from anchor a = i-m+1
+    (:meth:`HeadNet.chains`). Each row trains the chains of ``ceil(chain_share x n)`` of its n
+    anchors (those with a labelled step), drawn uniformly without replacement by ``generator``:
+    every labelled slot of pass m is then in the sample with (up to the rounding of the counts)
+    the same probability, so each pass's mean loss estimates the mean over all its slots (a ratio
+    estimate: the number of sampled slots varies a little, its bias shrinks as 1/n), at about
+    ``chain_share`` of the layer's cost (all but its input projection). ``chain_share = 1``: every chain, the loss
+    over every labelled slot."""
+    if not 0 < chain_share <= 1:
+        raise ValueError(f"chain_share must be in (0, 1], got {chain_share}")
+    bsz, length = tokens.shape
+    slots = torch.arange(length - 1)
     inside = slots.view(1, -1) + 1 < lengths.view(-1, 1)  # [B, L-1] a label exists
     if trained is not None:
         inside = inside & _slots_learned(trained)
+    has_step = torch.zeros_like(inside)  # [B, L-1] anchor a: some step m of its chain is labelled
+    for m in range(1, passes + 1):
+        has_step[:, : length - m] |= inside[:, m - 1 :]
+    anchors = _draw_anchors(has_step, chain_share, generator)  # [B, n]
+    rows = torch.arange(bsz).view(-1, 1).expand_as(anchors)  # [B, n]
+    steps = []  # per pass: the slot of each chain's step m [B, n], and whether it is trained
+    for m in range(1, passes + 1):
+        s = anchors + m - 1
+        valid = (anchors >= 0) & (s < length - 1)
+        steps.append((s, valid & inside.gather(1, s.clamp(0, length - 2))))
     with _autocast():
-        with torch.no_grad():
-            label_rows = feats[:, 1:][inside]  # [n, E] features of the labelled slots
-            top = torch.topk(net.target_logits(label_rows).float(), k, dim=-1)  # [n, k]
+        with torch.no_grad():  # the target's top-k at each slot some step predicts, read from the feature after it
+            needed = torch.zeros_like(inside)
+            for s, valid in steps:
+                needed[rows[valid], s[valid]] = True
+            top = torch.topk(net.target_logits(feats[:, 1:][needed]).float(), k, dim=-1)  # [n, k]
             probs = torch.softmax(top.values, -1)
             slot_index = torch.full(inside.shape, -1, dtype=torch.long)
-            slot_index[inside] = torch.arange(int(inside.sum()))
-        outs = net.passes(feats, tokens, passes)
+            slot_index[needed] = torch.arange(int(needed.sum()))
+        outs = net.chains(feats, tokens, anchors, passes)  # passes x [B, n, E]
         losses = []
-        for m, out in enumerate(outs, start=1):
-            valid = inside & (slots.view(1, -1) >= m - 1)  # [B, L-1]
+        for out, (s, valid) in zip(outs, steps):
             if not bool(valid.any()):
                 losses.append(out.sum() * 0.0)
                 continue
-            z = net.target_logits(out[:, :-1][valid]).float()  # [n_m, N]
-            row = slot_index[valid]
+            z = net.target_logits(out[valid]).float()  # [n_m, N]
+            row = slot_index[rows[valid], s[valid]]
             ce = torch.logsumexp(z, -1) - (probs[row] * z.gather(-1, top.indices[row])).sum(-1)
             losses.append(ce.mean())
     return losses
+
+
+def _draw_anchors(candidates: torch.Tensor, share: float, generator: torch.Generator | None) -> torch.Tensor:
+    """``[B, n]`` slot indices (-1 padded): ``ceil(share x c_b)`` of each row's ``c_b`` candidate
+    slots (``candidates`` ``[B, S]`` bool), uniformly without replacement, in increasing order."""
+    counts = candidates.sum(1)  # [B]
+    if share < 1:
+        counts = torch.ceil(counts * share).long()
+    keys = torch.rand(candidates.shape, generator=generator) if share < 1 else torch.zeros(candidates.shape)
+    keys = torch.where(candidates, keys, 2.0)  # non-candidates last
+    n = max(1, int(counts.max()))
+    picked = keys.argsort(dim=1, stable=True)[:, :n]  # [B, n] the first c_b are drawn
+    picked = torch.where(torch.arange(n).view(1, -1) < counts.view(-1, 1), picked, candidates.shape[1])
+    picked = picked.sort(1).values
+    return torch.where(picked < candidates.shape[1], picked, -1)
 
 
 def _slots_learned(trained: torch.Tensor) -> torch.Tensor:
@@ -232,6 +274,8 @@ def train(net: HeadNet, data: Dataset, train_ids: list[int], cfg: TrainConfig, c
     ``ends`` delimit the assistant's turns (:func:`answer_mask`)."""
     if cfg.answers_only and not (answer_header and cfg.label_top_k):
         raise ValueError("answers_only needs label_top_k > 0 and the chat template's answer_header")
+    if cfg.chain_share != 1 and not cfg.label_top_k:
+        raise ValueError("chain_share < 1 needs label_top_k > 0 (the sampled chains are trained with top-k labels)")
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     step, log = 0, {"loss": [], "seconds": 0.0}
@@ -260,7 +304,9 @@ def train(net: HeadNet, data: Dataset, train_ids: list[int], cfg: TrainConfig, c
         tokens, feats, lengths = data.batch(order(train_ids, step, cfg.batch_sequences, cfg.seed))
         if cfg.label_top_k:
             trained = answer_mask(tokens, answer_header, ends or set()) if cfg.answers_only else None
-            losses = pass_losses_top_k(net, tokens, feats, lengths, cfg.passes, cfg.label_top_k, trained)
+            chains = torch.Generator().manual_seed(2**40 + cfg.seed * 1_000_003 + step)  # a function of the step: resumable
+            losses = pass_losses_top_k(net, tokens, feats, lengths, cfg.passes, cfg.label_top_k, trained,
+                                       cfg.chain_share, chains)
         else:
             losses = pass_losses(net, tokens, feats, lengths, cfg.passes)
         loss = sum(losses) / len(losses)

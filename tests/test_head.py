@@ -123,10 +123,11 @@ def test_training_loss_decreases_and_the_head_learns(trained):
     assert scores["greedy"][0] > untrained["greedy"][0]
 
 
-def test_resume_reproduces_an_uninterrupted_run(fp32_target, tmp_path):
+@pytest.mark.parametrize("loss", [{}, {"label_top_k": 8, "chain_share": 0.5}])
+def test_resume_reproduces_an_uninterrupted_run(fp32_target, tmp_path, loss):
     data = _dataset(fp32_target, _corpus(fp32_target, 8, 20, seed=2))
     cfg = TrainConfig(vocab_size=SUBSET, intermediate_size=96, passes=2, steps=6, batch_sequences=2, lr=3e-3,
-                      warmup=2, checkpoint_every=3)
+                      warmup=2, checkpoint_every=3, **loss)
     straight = _net(fp32_target, seed=4)
     train(straight, data, list(range(8)), cfg, tmp_path / "a.pt", progress=False)
     # An interrupted run: 3 steps (checkpointed), then a fresh process resumes to 6.
@@ -386,6 +387,110 @@ def test_top_k_loss_with_every_id_equals_the_full_soft_label_loss(fp32_target):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # both under bf16 autocast
     # negative control: a truncated label set is a different (larger-entropy-gap) objective
     assert abs(float(pass_losses_top_k(net, tokens, feats, lengths, 3, 2)[0].detach()) - float(full[0].detach())) > 1e-3
+
+
+def _reference_top_k_losses(net, tokens, feats, lengths, passes, k):
+    """The top-k loss over every labelled slot, computed from :meth:`HeadNet.passes` (every pass
+    at every slot): what the chain-sampled loss estimates and, at share 1, equals."""
+    slots = torch.arange(tokens.shape[1] - 1)
+    inside = slots.view(1, -1) + 1 < lengths.view(-1, 1)
+    with torch.no_grad():
+        top = torch.topk(net.target_logits(feats[:, 1:]), k, dim=-1)  # [B, L-1, k]
+        probs = torch.softmax(top.values, -1)
+    losses = []
+    for m, out in enumerate(net.passes(feats, tokens, passes), start=1):
+        z = net.target_logits(out[:, :-1])  # [B, L-1, N]
+        ce = torch.logsumexp(z, -1) - (probs * z.gather(-1, top.indices)).sum(-1)
+        valid = inside & (slots.view(1, -1) >= m - 1)
+        losses.append(ce[valid].mean())
+    return losses
+
+
+@pytest.mark.parametrize("layers", [(), (0, 1)])
+def test_chains_are_the_passes_at_their_slots(fp32_target, layers):
+    """Step m of the chain from anchor a == pass m at slot a+m-1, in rows of unequal lengths
+    (padding), with grouped-query attention, for the last block's features and fused ones."""
+    target = fp32_target
+    net = _net(target, seed=1, layers=layers)
+    assert net.cfg.num_heads > net.cfg.num_kv_heads
+    seqs = [[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 6], [4, 5, 6, 7, 8, 9, 10], [1, 2, 3]]
+    width = max(map(len, seqs))
+    tokens = torch.full((3, width), -1)
+    hidden = torch.zeros(3, width, target.cfg.hidden_size * (len(layers) + 1))
+    for b, seq in enumerate(seqs):
+        tokens[b, : len(seq)] = torch.tensor(seq)
+        hidden[b, : len(seq)] = features.prefill_features(target, seq, layers)
+    anchors = torch.tensor([[0, 3, 7, 9, 10], [1, 2, 4, -1, -1], [0, 1, -1, -1, -1]])
+    with torch.no_grad():
+        ref, outs = net.passes(hidden, tokens, 3), net.chains(hidden, tokens, anchors, 3)
+    checked = 0
+    for m in (1, 2, 3):
+        for b, row in enumerate(anchors.tolist()):
+            for j, a in enumerate(row):
+                if a >= 0 and a + m - 1 < len(seqs[b]):
+                    torch.testing.assert_close(outs[m - 1][b, j], ref[m - 1][b, a + m - 1], atol=1e-5, rtol=1e-5)
+                    checked += 1
+    assert checked == 28
+
+
+def test_the_loss_over_every_chain_is_the_loss_over_every_slot(fp32_target):
+    """chain_share = 1: the same losses and the same gradients as the top-k loss computed over
+    every slot of every pass (:func:`_reference_top_k_losses`), padding included."""
+    from specdec.training.train import pass_losses_top_k
+
+    data = _dataset(fp32_target, _corpus(fp32_target, 3, 20, seed=7) + _corpus(fp32_target, 1, 11, seed=8))
+    net = _net(fp32_target, vocab=SUBSET, seed=2)
+    tokens, feats, lengths = data.batch([0, 1, 2, 3])
+    assert len(set(lengths.tolist())) == 2
+    grads = []
+    for losses in (_reference_top_k_losses(net, tokens, feats, lengths, 3, 8),
+                   pass_losses_top_k(net, tokens, feats, lengths, 3, 8)):
+        net.zero_grad(set_to_none=True)
+        sum(losses).backward()
+        grads.append(({n: p.grad.clone() for n, p in net.named_parameters()}, [float(x.detach()) for x in losses]))
+    assert grads[0][1] == pytest.approx(grads[1][1], rel=1e-5)
+    for name, g in grads[0][0].items():
+        torch.testing.assert_close(grads[1][0][name], g, atol=1e-6, rtol=1e-4)
+
+
+def test_sampled_chains_estimate_the_loss_over_every_slot(trained, monkeypatch):
+    """chain_share < 1 draws ceil(share x n) of each row's anchors, uniformly: each pass's loss
+    averages to the loss over every slot. 300 draws at share 0.25 on a trained head, whose losses
+    differ from slot to slot: the mean is within 4 standard errors (~0.023 nats, 0.8% of the loss)
+    of the full loss, so a bias of that size would fail it (seeded: it saw 0.9 and 0.4 standard
+    errors per pass). Negative control: drawing from the first half of each row only (a biased
+    sampler) fails the same check, by more than 10 standard errors (it saw ~20)."""
+    import specdec.training.train as train_module
+
+    _, _, net, data, _ = trained
+    tokens, feats, lengths = data.batch([40, 41, 42, 43, 44, 45, 46, 47])
+    with torch.no_grad():
+        full = torch.stack(_reference_top_k_losses(net, tokens, feats, lengths, 2, 16))
+        gen = torch.Generator().manual_seed(0)
+        anchors = train_module._draw_anchors(torch.rand(4, 30, generator=gen) < 0.6, 0.25, gen)
+        assert ((anchors[:, 1:] > anchors[:, :-1]) | (anchors[:, 1:] < 0)).all()  # increasing, distinct
+
+        def draws():
+            g = torch.Generator().manual_seed(1)
+            return torch.stack([torch.stack(train_module.pass_losses_top_k(net, tokens, feats, lengths, 2, 16,
+                                                                           chain_share=0.25, generator=g))
+                                for _ in range(300)])  # [300, passes]
+
+        def deviation(samples):
+            return (samples.mean(0) - full).abs() / (samples.std(0) / 300 ** 0.5)  # in standard errors
+
+        fair = draws()
+        assert float(fair.std(0).min()) > 0.02  # the draws differ: the check has something to test
+        assert float(deviation(fair).max()) < 4
+        draw = train_module._draw_anchors
+
+        def first_half(candidates, share, generator):
+            early = candidates.clone()
+            early[:, candidates.shape[1] // 2 :] = False
+            return draw(early, share, generator)
+
+        monkeypatch.setattr(train_module, "_draw_anchors", first_half)
+        assert float(deviation(draws()).max()) > 10
 
 
 def test_answer_mask_covers_each_answer_and_its_end_token():

@@ -408,8 +408,11 @@ def _reference_top_k_losses(net, tokens, feats, lengths, passes, k):
 
 @pytest.mark.parametrize("layers", [(), (0, 1)])
 def test_chains_are_the_passes_at_their_slots(fp32_target, layers):
-    """Step m of the chain from anchor a == pass m at slot a+m-1, in rows of unequal lengths
-    (padding), with grouped-query attention, for the last block's features and fused ones."""
+    """Step m of the chain from anchor a, computed with a few chains (-1: none) == pass m at slot
+    a+m-1, computed with the chain from every slot, in rows of unequal lengths (padding), with
+    grouped-query attention, for the last block's features and fused ones: a chain depends on
+    nothing but its own steps and the prefix. (That :meth:`HeadNet.passes` is what drafting
+    computes is test_runtime_head_equals_training_module_for_every_draft_step's.)"""
     target = fp32_target
     net = _net(target, seed=1, layers=layers)
     assert net.cfg.num_heads > net.cfg.num_kv_heads

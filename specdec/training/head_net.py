@@ -125,47 +125,28 @@ class HeadNet(torch.nn.Module):
         draft after a committed prefix. Pass m reads ``(f^{m-1}_{i-1}, x_{i+1})`` — the previous
         step's guess at the slot before — and attends to what the cache holds at that draft step:
         true pairs (pass 1) at slots <= i-m+1 and passes 2..m at slots i-m+2..i (the key of slot
-        j = i-d from pass m-d). Pass m is only meaningful at slots i >= m-1.
+        j = i-d from pass m-d). Pass m is only meaningful at slots i >= m-1 (zeros before).
+        Computed as the drafting chain from every slot (:meth:`chains`).
         """
-        cfg = self.cfg
         bsz, length = hidden.shape[:2]
-        e = cfg.hidden_size
-        emb = self.embed[tokens.clamp(min=0)[:, 1:]].float()  # [B, L-1, E] the token after each slot
-        emb = torch.cat([emb, emb.new_zeros(bsz, 1, e)], 1)  # [B, L, E] (the last slot has no next token)
-        cos, sin = (t[:length].view(1, 1, length, -1) for t in self._rope)
-        keys, values, outs = [], [], []
-        feats = self.first_feature(hidden)  # [B, L, E]
-        for m in range(1, num_passes + 1):
-            if m > 1:  # the previous pass's guess at the slot before
-                feats = torch.cat([feats.new_zeros(bsz, 1, e), outs[-1][:, :-1]], 1)
-            x = F.linear(self.fc_input(feats, emb), self.fc)  # [B, L, E]
-            h = rms_norm(x, self.norm_in, cfg.rms_norm_eps, False)
-            q = self._proj(h, "self_attn.q_proj", "q").view(bsz, length, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-            k = self._proj(h, "self_attn.k_proj", "k").view(bsz, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            v = self._proj(h, "self_attn.v_proj", "v").view(bsz, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            rep = cfg.num_heads // cfg.num_kv_heads
-            keys.append(k.repeat_interleave(rep, 1))  # [B, Hq, L, D]
-            values.append(v.repeat_interleave(rep, 1))
-            attn = self._attend(q, keys, values, m)
-            x = x + self._proj(attn.transpose(1, 2).reshape(bsz, length, -1), "self_attn.o_proj")
-            h = rms_norm(x, self.norm_post, cfg.rms_norm_eps, False)
-            mlp = self._proj(F.silu(self._proj(h, "mlp.gate_proj")) * self._proj(h, "mlp.up_proj"), "mlp.down_proj")
-            outs.append(x + mlp)
-        return outs
+        anchors = torch.arange(length).expand(bsz, length)  # the chain from every slot
+        outs = self.chains(hidden, tokens, anchors, num_passes)  # step m of chain a sits at slot a+m-1
+        shift = [min(m, length) for m in range(num_passes)]  # pass m+1 of slot i: chain i-m
+        return [torch.cat([out.new_zeros(bsz, d, out.shape[-1]), out[:, : length - d]], 1) for d, out in zip(shift, outs)]
 
     def chains(self, hidden: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
                num_passes: int) -> list[torch.Tensor]:
         """Outputs ``[B, n, E]`` of draft steps 1..``num_passes`` along the drafting chains that
         start at slots ``anchors`` ``[B, n]`` (-1: no chain), as drafting computes them with
         teacher-forced tokens: step m of the chain from anchor a sits at slot s = a+m-1 and equals
-        :meth:`passes`'s pass m there (tests/test_training.py checks it slot by slot).
+        :meth:`passes`'s pass m there (tests/test_head.py checks chains from some slots against those from every slot, and the
+        runtime head against :meth:`passes`).
 
         Why it is the same function: pass m at slot s reads the previous pass's output at s-1 (the
         chain's step m-1) and the token after s, and attends to pass-1 keys at slots <= s-m+1 = a
         and to the keys of passes m, m-1, .., 2 at slots s, s-1, .., a+1 — the chain's own steps.
         So a chain needs, outside itself, only pass 1's keys and values at slots <= a, which come
-        from the layer's input projection alone (``fc``, then q/k/v). Every slot pays that (~6M of
+        from the layer's input projection alone (``fc``, then k/v). Every slot pays that (~6M of
         the layer's ~29M multiply-adds); the rest (queries, attention output, MLP, the output rows)
         is paid only along the chains: training on a fraction of the slots' chains costs about
         that fraction of the layer, with the same expected loss.
@@ -226,27 +207,4 @@ class HeadNet(torch.nn.Module):
         out = (probs[..., :length].reshape(bsz, kvh, rep * n, length) @ prefix_v).view(bsz, kvh, rep, n, hd)
         for j, v in enumerate(chain_v):
             out = out + probs[..., length + j : length + j + 1] * v
-        return out
-
-    def _attend(self, q: torch.Tensor, keys: list, values: list, m: int) -> torch.Tensor:
-        """Attention of pass ``m``'s queries ``[B, H, L, D]``: pass-1 keys at slots <= i-m+1, and
-        for d = 0..m-2 the key of slot i-d from pass m-d (see :meth:`passes`)."""
-        length = q.shape[2]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        slots = torch.arange(length)
-        scores = [(q @ keys[0].transpose(-1, -2)) * scale]  # [B, H, L, L]
-        allowed = slots.view(1, -1) <= slots.view(-1, 1) - (m - 1)  # [L, L]
-        scores[0] = scores[0].masked_fill(~allowed, float("-inf"))
-        shifted_values = []
-        for d in range(m - 1):
-            kp, vp = keys[m - 1 - d], values[m - 1 - d]  # pass m-d
-            kp = F.pad(kp, (0, 0, d, 0))[:, :, :length]  # slot i holds the key of slot i-d
-            vp = F.pad(vp, (0, 0, d, 0))[:, :, :length]
-            s = (q * kp).sum(-1, keepdim=True) * scale  # [B, H, L, 1]
-            scores.append(s.masked_fill((slots < d).view(1, 1, -1, 1), float("-inf")))
-            shifted_values.append(vp)
-        probs = torch.softmax(torch.cat(scores, -1), -1)
-        out = probs[..., :length] @ values[0]
-        for d, vp in enumerate(shifted_values):
-            out = out + probs[..., length + d : length + d + 1] * vp
         return out

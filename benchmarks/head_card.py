@@ -39,13 +39,15 @@ def bench_acceptance(runs_path: Path, method: str = "head") -> dict:
             if r["method"] != method or r["temperature"] != temp:
                 continue
             a = r["metrics"]["acceptance"]
-            c = cats.setdefault(r["category"], {"accepted": [0] * len(a["accepted_per_position"]),
-                                                "reached": [0] * len(a["reached_per_position"]), "prompts": 0})
-            c["accepted"] = [x + y for x, y in zip(c["accepted"], a["accepted_per_position"])]
-            c["reached"] = [x + y for x, y in zip(c["reached"], a["reached_per_position"])]
+            c = cats.setdefault(r["category"], {"accepted": [], "reached": [], "prompts": 0})
+            for key in ("accepted", "reached"):  # runs differ in length (no drafts at all; k up to k_max)
+                mine = a[f"{key}_per_position"]
+                c[key] += [0] * (len(mine) - len(c[key]))
+                c[key] = [x + y for x, y in zip(c[key], mine + [0] * (len(c[key]) - len(mine)))]
             c["prompts"] += 1
         table = {name: {"per_position": [round(x / n, 3) if n else None for x, n in zip(c["accepted"], c["reached"])],
-                        "calls": c["reached"][0], "prompts": c["prompts"]} for name, c in cats.items()}
+                        "calls": c["reached"][0] if c["reached"] else 0, "prompts": c["prompts"]}
+                 for name, c in cats.items()}
         firsts = [row["per_position"][0] for row in table.values()]
         out[str(temp)] = {"categories": table, "median_first": round(statistics.median(firsts), 3),
                           "pooled_first": round(sum(c["accepted"][0] for c in cats.values())

@@ -652,6 +652,11 @@ def test_a_shipped_card_renders_its_evaluation(tmp_path):
     assert greedy["categories"]["qa"]["per_position"] == [0.0, None]  # no call reached position 2
     assert greedy["median_first"] == 0.2 and greedy["pooled_first"] == round(5 / 15, 3)
     assert table["0.7"]["categories"]["code"]["per_position"] == [0.5, 0.0]
+    # runs of different lengths (a hybrid: no drafts at all, then a longer chain) pool position by position
+    runs = [run("code", 0.0, [], []), run("code", 0.0, [1, 1, 1], [2, 1, 1]), run("code", 0.0, [0], [1])]
+    (tmp_path / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in runs))
+    assert head_card.bench_acceptance(tmp_path / "runs.jsonl")["0.0"]["categories"]["code"] == {
+        "per_position": [round(1 / 3, 3), 1.0, 1.0], "calls": 3, "prompts": 3}
 
     card = json.loads((root / "specdec" / "heads" / "qwen2.5-coder-1.5b-instruct.head.json").read_text())
     assert {"machine", "bench_acceptance", "held_out_eval_sets", "learning_curve"} <= card.keys()  # the shipped one's

@@ -309,6 +309,10 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     assert card2["command"].startswith(card["command"] + "; then specdec train-head")
     assert card2["finetune"]["own_answer_sequences"] >= 2 and card2["finetune"]["corpus_mixed_in"] == 0
     assert card2["finetune"]["answers"] == ["python-docs:0-2"] and "--answer-batches 2" in card2["command"]
+    from specdec.training.train import precision
+
+    assert card2["finetune"]["precision"] == precision()  # the stage's own path, not only the first stage's
+    assert f", in {precision()}" in out2.with_suffix(".md").read_text()
     new_vocab = card2["finetune"]["new_vocab"]  # re-chosen, as many ids, evaluated before training too
     assert new_vocab["size"] == 64 and new_vocab["kept_from_before"] <= 64 and "--new-vocab" in card2["command"]
     assert len(new_vocab["before_training"]["greedy"]) == len(card2["finetune"]["held_out_own_answers_before"]["greedy"])

@@ -498,7 +498,8 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
             "answers": [str(part) for part in answers],
             "own_train": len(own_train), "own_held_out": len(own_held), "corpus_mixed_in": len(train_ids) - len(own_train),
             "temperatures": _temperatures_used(answers), "answers_only": header is not None,
-            "steps": steps, "lr": ft_cfg.lr, "chain_share": ft_cfg.chain_share, "seconds": round(log["seconds"], 1),
+            "steps": steps, "lr": ft_cfg.lr, "chain_share": ft_cfg.chain_share, "precision": precision(),
+            "seconds": round(log["seconds"], 1),
             "generate_seconds_this_run": round(generate_s, 1),
             "held_out_own_answers_before": before, "held_out_own_answers_after": after}
     return record | ({"new_vocab": vocab_record} if vocab_record else {})
@@ -519,6 +520,7 @@ def _stage2_line(f: dict, title: str, init: dict | None) -> str:
         f"{f.get('temperatures', 'greedy')}, features recorded while it generated); {f['steps']} fine-tuning steps at "
         f"lr {f['lr']:g} on them"
         + (f", chains from {f['chain_share']:g} of the slots" if f.get("chain_share", 1) != 1 else "")
+        + (f", in {f['precision']}" if "precision" in f else "")  # a stage's own; the card's top level is stage 1's
         + (" mixed with as many corpus sequences" if f.get("corpus_mixed_in") else "")
         + (f", starting from `{init['file']}` (sha256 `{init['sha256'][:16]}…`)" if init else "")
         + (f"; drafted ids re-chosen ({vocab['kept_from_before']} of {vocab['size']} kept)" if vocab else "")

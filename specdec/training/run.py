@@ -567,7 +567,8 @@ def card_markdown(card: dict, file_name: str) -> str:
     return f"""# Draft head `{file_name}`
 
 An EAGLE-style draft head for **{card['target']}** (features of its `{card['target_dtype']}` runtime),
-trained by `specdec train-head` on a CPU ({card.get('training_precision', 'fp32')}). See `specdec/runtime/head.py`.
+trained by `specdec train-head` on a CPU (the first stage in {card.get('training_precision', 'fp32')}; a later stage's
+precision, where recorded, is on its line). See `specdec/runtime/head.py`.
 
 - **Reads:** {card.get('features', "the target's last block output")}.
 - **Architecture:** RMS-normalised target feature + token embedding -> fc (2E -> E) -> one decoder

@@ -48,10 +48,11 @@ def bench_acceptance(runs_path: Path, method: str = "head") -> dict:
         table = {name: {"per_position": [round(x / n, 3) if n else None for x, n in zip(c["accepted"], c["reached"])],
                         "calls": c["reached"][0] if c["reached"] else 0, "prompts": c["prompts"]}
                  for name, c in cats.items()}
-        firsts = [row["per_position"][0] for row in table.values()]
-        out[str(temp)] = {"categories": table, "median_first": round(statistics.median(firsts), 3),
-                          "pooled_first": round(sum(c["accepted"][0] for c in cats.values())
-                                                / sum(c["reached"][0] for c in cats.values()), 3)}
+        firsts = [row["per_position"][0] for row in table.values() if row["per_position"]]  # categories with drafts
+        drafted = [c for c in cats.values() if c["reached"]]
+        out[str(temp)] = {"categories": table, "median_first": round(statistics.median(firsts), 3) if firsts else None,
+                          "pooled_first": round(sum(c["accepted"][0] for c in drafted)
+                                                / sum(c["reached"][0] for c in drafted), 3) if drafted else None}
     return out
 
 

@@ -657,6 +657,11 @@ def test_a_shipped_card_renders_its_evaluation(tmp_path):
     (tmp_path / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in runs))
     assert head_card.bench_acceptance(tmp_path / "runs.jsonl")["0.0"]["categories"]["code"] == {
         "per_position": [round(1 / 3, 3), 1.0, 1.0], "calls": 3, "prompts": 3}
+    runs.append(run("qa", 0.0, [], []))  # a category where nothing was drafted: in the table, not in the median
+    (tmp_path / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in runs))
+    mixed = head_card.bench_acceptance(tmp_path / "runs.jsonl")["0.0"]
+    assert mixed["categories"]["qa"] == {"per_position": [], "calls": 0, "prompts": 1}
+    assert mixed["median_first"] == mixed["pooled_first"] == round(1 / 3, 3)
 
     card = json.loads((root / "specdec" / "heads" / "qwen2.5-coder-1.5b-instruct.head.json").read_text())
     assert {"machine", "bench_acceptance", "held_out_eval_sets", "learning_curve"} <= card.keys()  # the shipped one's

@@ -18,6 +18,7 @@ Adds to the JSON card beside ``--head`` (and re-renders its Markdown card):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -41,9 +42,7 @@ def bench_acceptance(runs_path: Path, method: str = "head") -> dict:
             a = r["metrics"]["acceptance"]
             c = cats.setdefault(r["category"], {"accepted": [], "reached": [], "prompts": 0})
             for key in ("accepted", "reached"):  # runs differ in length (no drafts at all; k up to k_max)
-                mine = a[f"{key}_per_position"]
-                c[key] += [0] * (len(mine) - len(c[key]))
-                c[key] = [x + y for x, y in zip(c[key], mine + [0] * (len(c[key]) - len(mine)))]
+                c[key] = [x + y for x, y in itertools.zip_longest(c[key], a[f"{key}_per_position"], fillvalue=0)]
             c["prompts"] += 1
         table = {name: {"per_position": [round(x / n, 3) if n else None for x, n in zip(c["accepted"], c["reached"])],
                         "calls": c["reached"][0] if c["reached"] else 0, "prompts": c["prompts"]}

@@ -15,7 +15,7 @@ from specdec.proposers import HybridProposer, NgramProposer
 from specdec.models.heads import read_head, save_head
 from specdec.proposers.head import HeadProposer, HeadTreeProposer
 from specdec.proposers.suffix import SuffixProposer
-from specdec.runtime.head import DraftHead, HeadConfig
+from specdec.runtime.head import LAYER, DraftHead, HeadConfig
 from specdec.training.head_net import HeadNet
 from specdec.sampling import SamplingParams, sample
 from specdec.training import features
@@ -377,6 +377,48 @@ def test_head_file_round_trip_and_errors(fp32_target, tmp_path):
         read_head(bad)
     with pytest.raises(ValueError, match="Gemma"):
         HeadConfig.for_target(ours(hf_tiny("gemma3", seed=0), "float32").cfg, 96)
+
+
+def test_a_delta_head_rebuilds_its_head_on_its_base(fp32_target, tmp_path):
+    """A head stored as its base plus a rank-r update per matrix: rebuilt exactly (to fp16) when the
+    update has rank <= r, with the SVD's error otherwise; refused when the base is missing or altered."""
+    from specdec.models.heads import save_head_delta
+
+    base_net, new_net = _net(fp32_target, seed=6), _net(fp32_target, seed=6)
+    g = torch.Generator().manual_seed(3)
+    new_state = new_net.export()
+    for name, w in new_state.items():  # a rank-2 change of every matrix, a full change of every vector
+        if w.dim() == 2:
+            w += 0.05 * torch.randn(w.shape[0], 2, generator=g) @ torch.randn(2, w.shape[1], generator=g)
+        else:
+            w += 0.1 * torch.randn(w.shape, generator=g)
+    base = tmp_path / "base.safetensors"
+    save_head(base, base_net.cfg, base_net.export(), base_net.vocab_ids, {})
+    delta = tmp_path / "delta.safetensors"
+    errors = save_head_delta(delta, base, new_state, new_net.vocab_ids, rank=2, info={"note": "d"})
+    assert max(errors.values()) < 1e-3  # what remains is the base's fp16 rounding, full rank
+    cfg, state, ids, info = read_head(delta)
+    assert cfg == base_net.cfg and torch.equal(ids, base_net.vocab_ids) and info == {"note": "d"}
+    for name, value in new_state.items():  # fp16 rounding of the base, of U and V, and of the sum
+        assert torch.allclose(state[name].float(), value, atol=2e-3, rtol=2e-3), name
+
+    low = tmp_path / "low.safetensors"
+    errors = save_head_delta(low, base, new_state, new_net.vocab_ids, rank=1)
+    assert min(errors.values()) > 0.05  # a rank-2 change kept at rank 1 loses one of two directions
+    name = LAYER + "mlp.up_proj.weight"
+    assert (read_head(low)[1][name].float() - new_state[name]).abs().max() > 1e-2
+
+    # the base is looked up beside the delta and checked by sha256
+    base.rename(tmp_path / "moved.safetensors")
+    with pytest.raises(FileNotFoundError, match="update of base.safetensors"):
+        read_head(delta)
+    save_head(base, base_net.cfg, new_net.export(), base_net.vocab_ids, {})
+    with pytest.raises(ValueError, match="sha256"):
+        read_head(delta)
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        save_head_delta(tmp_path / "x.safetensors", base, new_state, new_net.vocab_ids, rank=0)
+    with pytest.raises(ValueError, match="another vocabulary subset"):
+        save_head_delta(tmp_path / "x.safetensors", base, new_state, new_net.vocab_ids[:-1], rank=2)
 
 
 def test_vocab_subset_ranks_by_frequency_and_keeps_end_ids():

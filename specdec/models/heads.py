@@ -2,7 +2,9 @@
 
 A head file (:func:`save_head`: safetensors, the config in its metadata) holds only what was trained; the
 target's embedding, final norm and output rows for the head's vocabulary subset are taken from the
-target itself when the head is loaded, so a head is a few tens of MB.
+target itself when the head is loaded, so a head is a few tens of MB. A head trained further from
+another can be stored as that head plus a low-rank update of each matrix (:func:`save_head_delta`:
+a few MB), which :func:`read_head` rebuilds (issue 29 caps what its stages add to git history).
 """
 
 from __future__ import annotations
@@ -117,7 +119,52 @@ def save_head(path: Path, cfg: HeadConfig, state: dict[str, torch.Tensor], vocab
     cache.write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
+def save_head_delta(path: Path, base: Path, state: dict[str, torch.Tensor], vocab_ids: torch.Tensor, rank: int,
+                    info: dict | None = None) -> dict[str, float]:
+    """Write the head ``state`` as the head file ``base`` plus a rank-``rank`` update of each weight
+    matrix, so that a head trained further from a committed head costs a few MB, not tens.
+
+    Each matrix ``W`` [out, in] is stored as ``W_base + U V`` with ``U`` [out, r] and ``V`` [r, in]
+    from the truncated SVD of ``W - W_base``: by Eckart-Young the best rank-r approximation in
+    Frobenius norm, so the loss is exactly the update's energy beyond its r largest singular values.
+    Vectors (norms, biases) and ``vocab_ids`` are stored whole. The file names ``base`` (its file
+    name, looked up beside ``path`` when read, and its sha256); :func:`read_head` rebuilds the full
+    head. Returns, per matrix, the relative Frobenius error of the stored update."""
+    from safetensors.torch import save_file
+
+    from specdec import cache
+    from specdec.models import registry
+
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    base = Path(base)
+    base_cfg, base_state, base_ids, _ = read_head(base)
+    if not torch.equal(base_ids, vocab_ids.long()):
+        raise ValueError(f"the head drafts another vocabulary subset than its base {base}: a delta cannot hold it")
+    if set(base_state) != set(state):
+        raise ValueError(f"the head's tensors differ from its base {base}'s: {sorted(set(state) ^ set(base_state))}")
+    tensors: dict[str, torch.Tensor] = {"vocab_ids": vocab_ids.to(torch.int32)}
+    errors: dict[str, float] = {}
+    for name, w in state.items():
+        if w.dim() != 2:
+            tensors[name] = w.to(torch.float16).contiguous()
+            continue
+        delta = w.float() - base_state[name].float()  # [out, in]
+        u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+        r = min(rank, s.numel())
+        tensors[name + ".delta_u"] = (u[:, :r] * s[:r]).to(torch.float16).contiguous()  # [out, r]
+        tensors[name + ".delta_v"] = vh[:r].to(torch.float16).contiguous()  # [r, in]
+        total = float(s.square().sum())
+        errors[name] = (float(s[r:].square().sum()) / total) ** 0.5 if total > 0 else 0.0
+    meta = {"format": FORMAT, "config": json.dumps(dataclasses.asdict(base_cfg)), "info": json.dumps(info or {}),
+            "base": json.dumps({"file": base.name, "sha256": registry.sha256_of(base)})}
+    cache.write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    return errors
+
+
 def read_head(path: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], torch.Tensor, dict]:
+    """A head file's config, weights (fp16, as stored), vocabulary subset and card. A delta file
+    (:func:`save_head_delta`) is rebuilt on its base, which must lie beside it with the sha256 it names."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -126,5 +173,34 @@ def read_head(path: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], torch.Te
             raise ValueError(f"{path} is not a specdec draft head ({FORMAT})")
         state = {k: f.get_tensor(k) for k in f.keys()}
     vocab_ids = state.pop("vocab_ids").long()
+    cfg = HeadConfig(**json.loads(meta["config"]))
+    if "base" in meta:
+        state = _rebuild_on_base(Path(path), json.loads(meta["base"]), cfg, state)
     # fp16 as stored: each consumer converts one tensor at a time (no fp32 copy of the whole head)
-    return HeadConfig(**json.loads(meta["config"])), state, vocab_ids, json.loads(meta["info"])
+    return cfg, state, vocab_ids, json.loads(meta["info"])
+
+
+def _rebuild_on_base(path: Path, base: dict, cfg: HeadConfig, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full weights of the delta head ``path``: each matrix its base's plus ``U V``, each vector its own."""
+    from specdec.models import registry
+
+    base_path = path.parent / base["file"]
+    if not base_path.is_file():
+        raise FileNotFoundError(f"the head {path} is stored as an update of {base['file']}, which is not beside it")
+    if registry.sha256_of(base_path) != base["sha256"]:
+        raise ValueError(f"the head {path} is an update of {base['file']} with sha256 {base['sha256']}; "
+                         f"the file beside it is another")
+    base_cfg, state, _, _ = read_head(base_path)
+    if base_cfg != cfg:
+        raise ValueError(f"the head {path} and its base {base_path} have different configs")
+    for name in list(state):
+        if name + ".delta_u" in delta:
+            update = delta.pop(name + ".delta_u").float() @ delta.pop(name + ".delta_v").float()  # [out, in]
+            state[name] = (state[name].float() + update).to(torch.float16)
+        elif name in delta:
+            state[name] = delta.pop(name)
+        else:
+            raise ValueError(f"the head {path} holds no {name}")
+    if delta:
+        raise ValueError(f"the head {path} holds tensors its base has not: {sorted(delta)}")
+    return state

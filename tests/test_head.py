@@ -417,8 +417,12 @@ def test_a_delta_head_rebuilds_its_head_on_its_base(fp32_target, tmp_path):
         read_head(delta)
     with pytest.raises(ValueError, match="rank must be >= 1"):
         save_head_delta(tmp_path / "x.safetensors", base, new_state, new_net.vocab_ids, rank=0)
-    with pytest.raises(ValueError, match="another vocabulary subset"):
-        save_head_delta(tmp_path / "x.safetensors", base, new_state, new_net.vocab_ids[:-1], rank=2)
+    # the vocabulary subset is not trained: a delta stores its own whole
+    unused = next(i for i in range(fp32_target.vocab_size) if i not in set(new_net.vocab_ids.tolist()))
+    wider = torch.cat([new_net.vocab_ids, torch.tensor([unused])]).sort().values
+    save_head(base, base_net.cfg, base_net.export(), base_net.vocab_ids, {})
+    save_head_delta(delta, base, new_state, wider, rank=2)
+    assert torch.equal(read_head(delta)[2], wider)
 
 
 def test_vocab_subset_ranks_by_frequency_and_keeps_end_ids():

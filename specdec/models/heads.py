@@ -127,7 +127,8 @@ def save_head_delta(path: Path, base: Path, state: dict[str, torch.Tensor], voca
     Each matrix ``W`` [out, in] is stored as ``W_base + U V`` with ``U`` [out, r] and ``V`` [r, in]
     from the truncated SVD of ``W - W_base``: by Eckart-Young the best rank-r approximation in
     Frobenius norm, so the loss is exactly the update's energy beyond its r largest singular values.
-    Vectors (norms, biases) and ``vocab_ids`` are stored whole. The file names ``base`` (its file
+    Vectors (norms, biases) and ``vocab_ids`` are stored whole (the vocabulary subset is not trained:
+    the head's output is scored by the target's own rows, so a delta may draft another subset). The file names ``base`` (its file
     name, looked up beside ``path`` when read, and its sha256); :func:`read_head` rebuilds the full
     head. Returns, per matrix, the relative Frobenius error of the stored update."""
     from safetensors.torch import save_file
@@ -138,9 +139,7 @@ def save_head_delta(path: Path, base: Path, state: dict[str, torch.Tensor], voca
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     base = Path(base)
-    base_cfg, base_state, base_ids, _ = read_head(base)
-    if not torch.equal(base_ids, vocab_ids.long()):
-        raise ValueError(f"the head drafts another vocabulary subset than its base {base}: a delta cannot hold it")
+    base_cfg, base_state, _, _ = read_head(base)
     if set(base_state) != set(state):
         raise ValueError(f"the head's tensors differ from its base {base}'s: {sorted(set(state) ^ set(base_state))}")
     tensors: dict[str, torch.Tensor] = {"vocab_ids": vocab_ids.to(torch.int32)}

@@ -21,6 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
+from specdec.models import registry
 from specdec.models.heads import read_head, save_head_delta
 from specdec.training.train import write_json
 
@@ -43,7 +44,7 @@ def main() -> None:
     card_path = args.head.with_suffix(".json")
     if card_path.is_file():
         card = json.loads(card_path.read_text())
-        card["stored_as"] = {"base": args.base.name, "rank": args.rank, "bytes": size,
+        card["stored_as"] = {"base": args.base.name, "rank": args.rank, "bytes": size, "sha256": registry.sha256_of(args.out),
                              "relative_error": {k: round(v, 4) for k, v in errors.items()}}
         write_json(args.out.with_suffix(".json"), card)
 

@@ -719,6 +719,9 @@ def test_a_shipped_card_renders_its_evaluation(tmp_path):
     assert "Taken on AMD EPYC (avx2 f16c fma)." in text and "**Held-out sharegpt**" in text
     assert "| 0.0 | code | 0.500 / 0.250 | 8 |" in text and "| 0.0 | qa | 0.000 / - | 2 |" in text
     assert "| 0.0 | **median (pooled)** | 0.200 (0.333) | |" in text and "| b | 1,000 | 0.300 / 0.200 |" in text
+    stored = {"base": "b.safetensors", "rank": 256, "bytes": 16e6, "sha256": "ab" * 32, "relative_error": {"fc": 0.5}}
+    assert "16.0 MB, sha256 `" + "ab" * 32 + "`: `b.safetensors` plus a rank-256 update" in card_markdown(
+        card | {"stored_as": stored}, "h.safetensors")
     for key in ("machine", "bench_acceptance", "held_out_eval_sets", "learning_curve"):  # a card without them
         card.pop(key)
     assert "## Evaluation" not in card_markdown(card, "h.safetensors")

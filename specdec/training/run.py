@@ -577,7 +577,7 @@ precision, where recorded, is on its line). See `specdec/runtime/head.py`.
 - **Labels:** the target's own next-token distribution (distillation), draft steps 1..{t['passes']}
   trained with the head reading its own guesses.{''.join(stages)}
 - **Reproduce:** `{card['command']}`{note}
-- **File:** {card['bytes'] / 1e6:.1f} MB, sha256 `{card['sha256']}`
+- **File:** {_file_line(card)}
 
 Held-out acceptance per draft position recorded with the corpus stage (teacher-forced tokens, the
 head's own features; greedy = argmax agreement with the target, sampled = sum min(p, q) at T = 1,
@@ -588,6 +588,18 @@ each given the earlier positions right); the subset covers the target's argmax a
 |---|---|---|
 {rows}
 {_evaluation_markdown(card)}"""
+
+
+def _file_line(card: dict) -> str:
+    """The head's file: its size and sha256, or, for a head stored as an update of another
+    (``benchmarks/head_delta.py``), the stored file's and the full head's it rebuilds."""
+    full = f"{card['bytes'] / 1e6:.1f} MB, sha256 `{card['sha256']}`"
+    stored = card.get("stored_as")
+    if stored is None:
+        return full
+    return (f"{stored['bytes'] / 1e6:.1f} MB, sha256 `{stored['sha256']}`: `{stored['base']}` plus a rank-"
+            f"{stored['rank']} update of each matrix (the truncated SVD of the trained change; largest relative "
+            f"error {max(stored['relative_error'].values()):.2f}). The head it rebuilds was trained as {full}.")
 
 
 def _evaluation_markdown(card: dict) -> str:

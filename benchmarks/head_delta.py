@@ -1,10 +1,12 @@
 """Store a head trained further from a committed head as a low-rank update of it (issue 29, item 5).
 
 A full head is ~58 MB in fp16, and every shipped version stays in git history; issue 29 caps its
-additions to history at ~150 MB. A stage that starts from the shipped head changes it by an
-update that is close to low rank, so the stage's head is committed as the base's file plus
-``U V`` per matrix (``specdec.models.heads.save_head_delta``; a few MB at rank 64-128), and
-``read_head`` rebuilds it. The card beside ``--head`` (``.json``) is copied beside ``--out``
+additions to history at ~150 MB. So a stage that starts from a committed head is committed as
+that head's file plus ``U V`` per matrix, the truncated SVD of its change
+(``specdec.models.heads.save_head_delta``), and ``read_head`` rebuilds it. The change is not low
+rank (at rank 256, 0.36-0.61 of each matrix's change is left out), but most of what it buys lies in
+its largest directions: mix5 -> mix7 at rank 256 (16 MB against 58) kept 85% of the greedy gain
+held out (docs/HEAD-TRAINING.md, 'Stages 8 and 9'). The card beside ``--head`` (``.json``) is copied beside ``--out``
 with the storage recorded.
 
     .venv/bin/python benchmarks/head_delta.py --base mix5.safetensors --head mix6.safetensors \\

@@ -425,6 +425,25 @@ def test_a_delta_head_rebuilds_its_head_on_its_base(fp32_target, tmp_path):
     assert torch.equal(read_head(delta)[2], wider)
 
 
+def test_the_shipped_head_rebuilds_on_the_base_shipped_beside_it():
+    """The shipped head is a delta (stop 47): its base must ship beside it, unchanged (sha256)."""
+    import json
+    from importlib import resources
+    from pathlib import Path
+
+    from specdec.models import heads
+
+    (name,) = heads.SHIPPED.values()
+    path = Path(str(resources.files("specdec.heads") / name))
+    cfg, state, ids, _ = read_head(path)
+    card = json.loads(path.with_suffix(".json").read_text())
+    _, base_state, _, _ = read_head(path.parent / card["stored_as"]["base"])
+    assert state.keys() == base_state.keys() and ids.numel() == 16384
+    for key, w in state.items():
+        assert w.dtype == torch.float16 and w.shape == base_state[key].shape and torch.isfinite(w).all(), key
+    assert cfg.hidden_size == 1536 and not torch.equal(state[LAYER + "mlp.up_proj.weight"], base_state[LAYER + "mlp.up_proj.weight"])
+
+
 def test_vocab_subset_ranks_by_frequency_and_keeps_end_ids():
     rows = [torch.tensor([5, 5, 5, 7, 7, 9, -1]), torch.tensor([7, 5, 2])]
     assert vocab_subset(rows, 3, {90}, 97).tolist() == [5, 7, 90]

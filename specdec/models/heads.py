@@ -175,12 +175,12 @@ def read_head(path: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], torch.Te
     vocab_ids = state.pop("vocab_ids").long()
     cfg = HeadConfig(**json.loads(meta["config"]))
     if "base" in meta:
-        state = _rebuild_on_base(Path(path), json.loads(meta["base"]), cfg, state)
+        state = _rebuild_on_base(Path(path), json.loads(meta["base"]), state)
     # fp16 as stored: each consumer converts one tensor at a time (no fp32 copy of the whole head)
     return cfg, state, vocab_ids, json.loads(meta["info"])
 
 
-def _rebuild_on_base(path: Path, base: dict, cfg: HeadConfig, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _rebuild_on_base(path: Path, base: dict, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The full weights of the delta head ``path``: each matrix its base's plus ``U V``, each vector its own."""
     from specdec.models import registry
 
@@ -190,9 +190,7 @@ def _rebuild_on_base(path: Path, base: dict, cfg: HeadConfig, delta: dict[str, t
     if registry.sha256_of(base_path) != base["sha256"]:
         raise ValueError(f"the head {path} is an update of {base['file']} with sha256 {base['sha256']}; "
                          f"the file beside it is another")
-    base_cfg, state, _, _ = read_head(base_path)
-    if base_cfg != cfg:
-        raise ValueError(f"the head {path} and its base {base_path} have different configs")
+    _, state, _, _ = read_head(base_path)  # its config is the delta's (save_head_delta copies it; sha256 checked)
     for name in list(state):
         if name + ".delta_u" in delta:
             update = delta.pop(name + ".delta_u").float() @ delta.pop(name + ".delta_v").float()  # [out, in]

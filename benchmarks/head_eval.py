@@ -1,10 +1,13 @@
 """Held-out acceptance of a draft head on ShareGPT conversations it never saw (issue 29's figure).
 
-Two held-out sets (``--sets``), both from conversations split off by id (2%; never trained on):
+Three held-out sets (``--sets``), all from conversations split off by id (2%; never trained on):
   sharegpt     the conversations as written (human answers, up to 12k tokens);
   own-answers  the target's own answers to 32 of their user turns (greedy and T = 0.7 in turn,
                up to 256 tokens each): the text a head drafts at inference, as on the bench;
-               only the generated answer is scored, not a human's answer in a multi-turn context.
+               only the generated answer is scored, not a human's answer in a multi-turn context;
+  translations the target's own translations of 32 English paragraphs of their user turns into
+               French, German, Spanish, Italian and Portuguese (not in the default: it is only
+               worth its ~3 minutes of generation for a head trained on ``sharegpt-translate``).
 Per draft position m = 1..passes, over the assistant's tokens, teacher-forced, the head reading
 its own guesses at steps > 1:
   greedy[m] = how often the head's argmax equals the target's (greedy acceptance);
@@ -61,8 +64,8 @@ def main() -> None:
         raise SystemExit(f"{args.target} has no shipped head: pass --head FILE")
     workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, args.dtype)
     sets = args.sets.split(",")
-    if not set(sets) <= {"sharegpt", "own-answers"}:
-        raise SystemExit(f"--sets: choose from sharegpt, own-answers; got {args.sets}")
+    if not set(sets) <= {"sharegpt", "own-answers", "translations"}:
+        raise SystemExit(f"--sets: choose from sharegpt, own-answers, translations; got {args.sets}")
     head_cfg, state, vocab_ids, card = read_head(path)
     passes = card.get("train_config", {}).get("passes", 3)  # the draft steps it was trained for
     model = gen.target.model
@@ -77,12 +80,13 @@ def main() -> None:
     for name in sets:
         layers = head_cfg.feature_layers  # a fused head's held-out features are stored apart
         held = (held_out_sharegpt(gen.target, workdir, gen.encode_chat, 1024, layers=layers) if name == "sharegpt" else
-                held_out_own_answers(gen.target, workdir, gen.encode_chat, gen.eos_token_ids, layers))
+                held_out_own_answers(gen.target, workdir, gen.encode_chat, gen.eos_token_ids, layers,
+                                     source="sharegpt-translate" if name == "translations" else "sharegpt"))
         result = out["sets"][name] = {"held_out_windows": len(held), "by_temperature": {}}
         for t in [float(x) for x in args.temperatures.split(",")]:
             start = time.perf_counter()
             scores = evaluate(net, held, list(range(len(held))), passes, full_rows, batch=1, answer_header=header,
-                              ends=gen.eos_token_ids, temperature=t, last_answer_only=name == "own-answers")
+                              ends=gen.eos_token_ids, temperature=t, last_answer_only=name != "sharegpt")
             scores["seconds"] = round(time.perf_counter() - start, 1)
             result["by_temperature"][str(t)] = scores
             print(f"{name} T={t}: greedy {scores['greedy']}  alpha {scores['alpha']}  ({scores['slots']} answer slots, "

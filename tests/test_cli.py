@@ -216,9 +216,10 @@ def test_train_head_self_distills_on_sharegpt_user_turns(capsys, tmp_path, monke
 
     model = _tiny_chat_model(tmp_path, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                                        "{% if add_generation_prompt %}assistant:{% endif %}")
-    records = [{"id": f"c{i}_0", "conversations": [{"from": "human", "value": f"please tell me about {i}"},
-                                                   {"from": "gpt", "value": f"it is {i} and more"}]}
-               for i in range(2500)]
+    records = [{"id": f"c{i}_0", "conversations": [
+        {"from": "human", "value": f"please tell me about {i}" + (" and the way it is used in the town where we live"
+                                                                    if i % 2 else "")},
+        {"from": "gpt", "value": f"it is {i} and more"}]} for i in range(2500)]
     data = tmp_path / "sharegpt.json"
     data.write_text(json.dumps(records))
     monkeypatch.setattr(sharegpt, "data_path", lambda: data)
@@ -249,13 +250,15 @@ def test_train_head_self_distills_on_sharegpt_user_turns(capsys, tmp_path, monke
         (sources / f"m{i}.py").write_text("".join(f'def f{i}_{j}(x):\n    """Return x plus {j}, the usual way."""\n'
                                                   f"    return x + {j}\n\n" for j in range(30)))
     before = (work / "own-answers-sharegpt" / "features-00001.safetensors").read_bytes()
-    mixed = args[:-2] + ["--corpus-root", str(sources), "--answers", "sharegpt:1-4", "python-docs:1-2"]
+    mixed = args[:-2] + ["--corpus-root", str(sources), "--answers", "sharegpt:1-4", "python-docs:1-2",
+                         "sharegpt-translate:0-1"]
     code, _, err = _run(capsys, *mixed)
     assert code == 0, err
     assert sorted(p.name for p in (work / "own-answers-sharegpt").iterdir()) == [
         f"features-0000{b}.safetensors" for b in range(4)]
     assert (work / "own-answers-sharegpt" / "features-00001.safetensors").read_bytes() == before  # not redone
     assert [p.name for p in (work / "own-answers").iterdir()] == ["features-00001.safetensors"]
+    assert [p.name for p in (work / "own-answers-sharegpt-translate").iterdir()] == ["features-00000.safetensors"]
     for bad, says in ((["--answers", "sharegpt:2-2"], "first < end"), (["--answers", "web:0-2"], "must be one of"),
                       (["--answers", "sharegpt:1", "--answer-batches", "2"], "give one"),
                       (["--corpus-root", str(sources), "--answer-batches", "1"], "does not apply")):

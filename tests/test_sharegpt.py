@@ -79,3 +79,31 @@ def test_prompts_end_with_a_user_turn_fit_and_respect_the_split(tmp_path):
     held_questions = {p[0]["content"] for p in held}
     assert held and not held_questions & {p[0]["content"] for p in train}
     assert all(sharegpt.held_out(f"p{p[0]['content'].split()[1]}_0") for p in held)
+
+
+def test_translation_prompts_take_english_prose_cycle_languages_and_respect_the_split(tmp_path):
+    """Requests to translate: one English prose paragraph of a conversation's first turn each (code,
+    markup, links, non-English text and too-short paragraphs are passed over), languages and wordings
+    in turn, and the held-out split never crosses into training."""
+    prose = "Please tell me how the new library in my town is going to be used by the people who live there"
+    turns = [
+        f"```python\nprint(1)\n```\n\n{prose} {{i}}.",  # code first, then prose: the prose is taken
+        "Too short {i}.",
+        "Ciao, questa frase non è scritta in inglese, ma in italiano, e quindi non va tradotta {i} volte",
+        f"See https://example.com for the details of {prose} {{i}}",
+    ]
+    records = [{"id": f"t{i}_0", "conversations": [{"from": "human", "value": turns[i % 4].format(i=i)},
+                                                    {"from": "gpt", "value": "ok"}]} for i in range(400)]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(records))
+    train = sharegpt.translation_prompts(40, path=path)
+    assert len(train) == 40 and all(len(p) == 1 and p[0]["role"] == "user" for p in train)
+    texts = [p[0]["content"] for p in train]
+    assert all(prose in t and "```" not in t and "https" not in t for t in texts)
+    langs = [next(lang for lang in sharegpt.TRANSLATE_INTO if lang in t) for t in texts]
+    assert langs[:10] == list(sharegpt.TRANSLATE_INTO) * 2
+    assert texts[0].startswith("Translate into French: ") and texts[5].startswith("Please translate")
+    ids = lambda ps: {p[0]["content"].rsplit(" ", 1)[1].rstrip(".") for p in ps}
+    held = sharegpt.translation_prompts(1000, split="held_out", path=path)
+    assert held and not ids(held) & ids(train)
+    assert all(sharegpt.held_out(f"t{i}_0") for i in ids(held))

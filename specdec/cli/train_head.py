@@ -64,7 +64,8 @@ def add(sub: argparse._SubParsersAction) -> None:
                    "(which is --answers CORPUS:0-N): e.g. 'sharegpt:36-63 python-docs:0-16' trains on ShareGPT "
                    "answer batches 36..62, which an earlier stage did not see, mixed with 16 batches of answers "
                    "to python-docs requests; batch b is always the same 16 requests, so ranges name the same text "
-                   "in every run")
+                   "in every run. Sources: sharegpt, python-docs, and sharegpt-translate (the target translates "
+                   "English paragraphs of ShareGPT's requests into French, German, Spanish, Italian or Portuguese)")
     p.add_argument("--new-vocab", action="store_true",
                    help="stage 2: re-choose the ids the head drafts (as many as before) from the corpus "
                    "sequences used and the own answers, 3/4 by frequency and the rest by the tokenizer's merge "

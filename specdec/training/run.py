@@ -29,6 +29,9 @@ ANSWER_BATCH = 16
 ANSWER_TOKENS = 256
 ANSWER_TEMPERATURES = (0.0, 0.7)  # batch b answers at ANSWER_TEMPERATURES[b % 2]: greedy and sampled text
 SOURCES = ("sharegpt", "python-docs")  # the corpora train-head reads, and whose requests the target answers
+# Requests the target answers itself: the corpora's, and requests to translate ShareGPT's English
+# paragraphs (sharegpt.translation_prompts), for the non-English text the corpus lacks.
+ANSWER_SOURCES = SOURCES + ("sharegpt-translate",)
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,8 @@ class AnswerSlice:
     end: int
 
     def __post_init__(self):
-        if self.source not in SOURCES:
-            raise ValueError(f"AnswerSlice.source must be one of {SOURCES}, got {self.source!r}")
+        if self.source not in ANSWER_SOURCES:
+            raise ValueError(f"AnswerSlice.source must be one of {ANSWER_SOURCES}, got {self.source!r}")
         if not 0 <= self.first < self.end:
             raise ValueError(f"AnswerSlice needs 0 <= first < end, got {self.first}-{self.end}")
 
@@ -392,11 +395,14 @@ def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int
 def answer_prompts(source: str, count: int, encode_chat, used_sources: set[str], corpus_root: Path | None,
                    split: str = "train") -> list[list[dict]]:
     """Requests for the target to answer itself: ShareGPT user turns of ``split``
-    (:func:`sharegpt.prompts`), or prompts derived from unused python-docs chunks."""
-    if source == "sharegpt":
-        from specdec.training import sharegpt
+    (:func:`sharegpt.prompts`), requests to translate their English paragraphs
+    (:func:`sharegpt.translation_prompts`), or prompts derived from unused python-docs chunks."""
+    from specdec.training import sharegpt
 
+    if source == "sharegpt":
         return sharegpt.prompts(encode_chat, count, split=split)
+    if source == "sharegpt-translate":
+        return sharegpt.translation_prompts(count, split=split)
     return corpus.answer_prompts(used_sources, count, root=corpus_root)
 
 
@@ -427,18 +433,21 @@ def _answers_option(answers: tuple[AnswerSlice, ...], source: str) -> str:
     return "--answers " + " ".join(map(str, answers))
 
 
-_PROMPTS = {"sharegpt": "ShareGPT user turns", "python-docs": "requests derived from unused python-docs chunks"}
+_PROMPTS = {"sharegpt": "ShareGPT user turns", "python-docs": "requests derived from unused python-docs chunks",
+            "sharegpt-translate": "requests to translate ShareGPT's English paragraphs"}
 
 NEW_VOCAB_FREQUENT_SHARE = 0.75  # chosen on held-out own answers (see vocab_subset)
 HELD_OUT_ANSWER_BATCHES = 2  # 32 held-out ShareGPT requests, ~7k answer tokens: a standard error of ~0.006
 
 
-def held_out_own_answers(target, workdir: Path, encode_chat, eos_ids, layers: tuple[int, ...] = ()) -> Dataset:
-    """The target's own answers to held-out ShareGPT requests (conversations never trained on):
-    the text a head drafts at inference, so the evaluation closest to the bench's."""
-    prompts = answer_prompts("sharegpt", HELD_OUT_ANSWER_BATCHES * ANSWER_BATCH, encode_chat, set(), None,
+def held_out_own_answers(target, workdir: Path, encode_chat, eos_ids, layers: tuple[int, ...] = (),
+                         source: str = "sharegpt") -> Dataset:
+    """The target's own answers to held-out ``source`` requests (from conversations never trained
+    on): the text a head drafts at inference, so the evaluation closest to the bench's.
+    "sharegpt-translate" gives its translations of held-out English paragraphs instead."""
+    prompts = answer_prompts(source, HELD_OUT_ANSWER_BATCHES * ANSWER_BATCH, encode_chat, set(), None,
                              split="held_out")
-    return own_answers(target, workdir / f"own-answers-sharegpt-held-out{_fused_suffix(layers)}", prompts,
+    return own_answers(target, workdir / f"own-answers-{source}-held-out{_fused_suffix(layers)}", prompts,
                        HELD_OUT_ANSWER_BATCHES, eos_ids, encode_chat, layers)
 
 

@@ -205,6 +205,51 @@ def build(encode, seq_len: int, max_tokens: int, split: str = "train", path: Pat
     return {"sequences": seqs, "manifest": manifest}
 
 
+TRANSLATE_INTO = ("French", "German", "Spanish", "Italian", "Portuguese")
+_TRANSLATE_ASKS = ("Translate into {lang}: {text}", "Please translate the following text into {lang}.\n\n{text}",
+                   "How would you say this in {lang}?\n{text}", "Translate this to {lang}:\n\n{text}")
+_ENGLISH_WORDS = frozenset("the and is of to in that it for you with on this are be my your we can".split())
+_NOT_PROSE = re.compile(r"[`{}<>=|#*_\\\[\]]|https?:")
+
+
+def _prose(paragraph: str) -> bool:
+    """An English paragraph of plain prose, 12 to 80 words: text worth translating (no code, markup,
+    links or tables, which a translation copies rather than translates). English: ASCII letters, and
+    at least one word in eight among English's commonest (Italian or Spanish in ASCII fails that)."""
+    words = paragraph.split()
+    common = sum(w.lower().strip(".,;:!?\"'()") in _ENGLISH_WORDS for w in words)
+    return (12 <= len(words) <= 80 and common >= 0.12 * len(words) and not _NOT_PROSE.search(paragraph)
+            and _english([paragraph]))
+
+
+def translation_prompts(count: int, split: str = "train", path: Path | None = None) -> list[list[dict]]:
+    """Up to ``count`` requests to translate an English paragraph of a ``split`` conversation's
+    first user turn into one of :data:`TRANSLATE_INTO`, worded one of four ways, both in turn.
+
+    Why: ShareGPT's cleaned file is ~99% English, so a head trained on its requests almost never
+    sees the target write French or German, and drafts nothing right when a user asks for a
+    translation. Here the target writes the translations itself (self-distillation), so a head
+    learns the target's own non-English text, from requests made of the same licensed corpus.
+    Conversations are taken in the order of a hash of their id (as :func:`prompts`), one
+    paragraph each (its first of plain prose)."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    convs, _ = conversations((path or data_path()).read_bytes().decode("utf-8", errors="replace"))
+    chosen = sorted((c for c in convs if held_out(c.id) == (split == "held_out")),
+                    key=lambda c: hashlib.sha256(c.id.encode()).hexdigest())
+    out: list[list[dict]] = []
+    for conv in chosen:
+        if len(out) >= count:
+            break
+        paragraph = next((p.strip() for p in conv.messages[0]["content"].split("\n\n") if _prose(p.strip())), None)
+        if paragraph is None:
+            continue
+        n = len(out)
+        ask = _TRANSLATE_ASKS[(n // len(TRANSLATE_INTO)) % len(_TRANSLATE_ASKS)]
+        out.append([{"role": "user", "content": ask.format(lang=TRANSLATE_INTO[n % len(TRANSLATE_INTO)], text=paragraph)}])
+    return out
+
+
 def prompts(encode, count: int, split: str = "train", max_tokens: int = 320, path: Path | None = None) -> list[list[dict]]:
     """Up to ``count`` chat requests from ``split`` conversations for the target to answer itself
     (self-distillation: a head drafts the target's own text, not a human's). Conversations are

@@ -322,6 +322,22 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     from specdec.models.heads import read_head
 
     assert read_head(out2)[2].numel() == 64
+    # widened from the head just made: every id it drafted is kept, the own answers' ids come next
+    out_w = tmp_path / "head-wide.safetensors"
+    widen = again[:-1] + ["--widen-vocab", "96"]
+    widen[widen.index("--out") + 1], widen[widen.index("--init-head") + 1] = str(out_w), str(out2)
+    widen[widen.index("--workdir") + 1] = str(tmp_path / "work-wide")
+    for bad, says in ((["--widen-vocab", "60"], "multiple of 8"), (["--widen-vocab", "96", "--new-vocab"], "not with"),
+                      (["--widen-vocab", "56"], "above the head's 64 ids")):
+        code, _, err = _run(capsys, *widen[:-2], *bad)
+        assert code == 2 and says in err, err
+    code, _, err = _run(capsys, *widen)
+    assert code == 0, err
+    wide = read_head(out_w)[2]
+    assert wide.numel() == 96 and set(read_head(out2)[2].tolist()) <= set(wide.tolist())
+    card_w = json.loads(out_w.with_suffix(".json").read_text())
+    assert card_w["finetune"]["new_vocab"]["widened_from"] == 64 and "--widen-vocab 96" in card_w["command"]
+    assert "drafted ids widened from 64 to 96" in out_w.with_suffix(".md").read_text()
     # stage 1 from the head just made: trained further on the corpus (top-k labels), evaluated before and after
     out3 = tmp_path / "head3.safetensors"
     code, _, err = _run(capsys, "train-head", "--target", str(model), "--dtype", "float32", "--out", str(out3),

@@ -66,6 +66,10 @@ def add(sub: argparse._SubParsersAction) -> None:
                    "to python-docs requests; batch b is always the same 16 requests, so ranges name the same text "
                    "in every run. Sources: sharegpt, python-docs, and sharegpt-translate (the target translates "
                    "English paragraphs of ShareGPT's requests into French, German, Spanish, Italian or Portuguese)")
+    p.add_argument("--widen-vocab", type=int_at_least(8), default=0, metavar="N",
+                   help="stage 2 from --init-head: widen the ids the head drafts to N, keeping all it has and "
+                   "adding those the own answers use most, then the lowest unused ids (for text its first "
+                   "corpus lacked, such as translations; default: keep the head's ids)")
     p.add_argument("--new-vocab", action="store_true",
                    help="stage 2: re-choose the ids the head drafts (as many as before) from the corpus "
                    "sequences used and the own answers, 3/4 by frequency and the rest by the tokenizer's merge "
@@ -123,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--answer-batches (or --answers) and --finetune-steps go together (stage 2 needs both)")
     if args.new_vocab and not answers:
         raise UsageError("--new-vocab applies to stage 2: it needs --answer-batches (or --answers) and --finetune-steps")
+    if args.widen_vocab and (not answers or args.init_head is None or args.new_vocab or args.widen_vocab % 8):
+        raise UsageError("--widen-vocab applies to stage 2 from --init-head (with --answers and --finetune-steps), "
+                         "not with --new-vocab, and must be a multiple of 8")
     init = Path(args.init_head) if args.init_head else None
     if init is not None and not init.is_file():
         raise UsageError(f"--init-head {init} is not a file")
@@ -141,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
                answers, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,
                source=source, seq_len=seq_len, extract_only=args.extract_only, new_vocab=args.new_vocab,
-               fused=args.fused_features)
+               fused=args.fused_features, widen_vocab=args.widen_vocab)
     if card is None:
         print(f"features written under {workdir}; rerun without --extract-only to train")
         return 0

@@ -74,7 +74,7 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
         eos_ids: set[int], max_sequences: int | None = None, corpus_root: Path | None = None,
         answers: tuple[AnswerSlice, ...] = (), finetune_steps: int = 0, encode_chat=None, init_head: Path | None = None,
         source: str = "python-docs", seq_len: int = 512, extract_only: bool = False,
-        new_vocab: bool = False, fused: bool = False) -> dict | None:
+        new_vocab: bool = False, fused: bool = False, widen_vocab: int = 0) -> dict | None:
     """Train a head for ``target`` (its runtime dtype is the one whose features the head learns
     to read) and write it to ``out``; returns the model card.
 
@@ -152,10 +152,12 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     if answers and finetune_steps:
         finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answers,
                                             finetune_steps, eos_ids, encode_chat, full_rows, corpus_root, source,
-                                            new_vocab_from=sequences if new_vocab else None, layers=layers)
+                                            new_vocab_from=sequences if new_vocab else None, layers=layers,
+                                            widen_vocab=widen_vocab)
         card["finetune"] = finetune
     stage2 = (f" {_answers_option(answers, source)} --finetune-steps {finetune_steps}"
-              + (" --new-vocab" if new_vocab else "")) if finetune else ""
+              + (" --new-vocab" if new_vocab else "")
+              + (f" --widen-vocab {widen_vocab}" if widen_vocab else "")) if finetune else ""
     card["features"] = _features_read(layers, model.cfg.num_layers)
     if init_head is None:
         card["command"] = command + stage2 + f" --out {out.name}"
@@ -457,12 +459,13 @@ def _own_answer_dir(workdir: Path, source: str, layers: tuple[int, ...] = ()) ->
 
 def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, answers, steps,
                              eos_ids, encode_chat, full_rows, corpus_root, source, new_vocab_from=None,
-                             layers=()) -> dict:
+                             layers=(), widen_vocab: int = 0) -> dict:
     """Stage 2: the target answers requests (``answers``, :class:`AnswerSlice`; greedy and T = 0.7
     in turn, its features recorded while it generates), then the head is fine-tuned on those answers mixed
     with as many corpus sequences (none when stage 1 ran earlier: ``corpus_data`` is empty), at a
     third of the learning rate. Evaluated on held-out own answers: answers to held-out ShareGPT
-    conversations for ``source`` "sharegpt", else every 10th own answer."""
+    conversations for ``source`` "sharegpt", else every 10th own answer. ``widen_vocab``: first
+    widen the drafted ids to that many (:func:`widened_vocab`)."""
     net.load_export({k: v.half() for k, v in net.export().items()})  # start from the stage-1 head as saved (fp16)
     t = time.perf_counter()
     own = Dataset([])
@@ -496,6 +499,12 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
                         "kept_from_before": int(torch.isin(ids, old_ids).sum()),
                         "chosen_from_tokens": sum(int((r >= 0).sum()) for r in rows),
                         "before_training": evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)}
+    if widen_vocab:
+        old_ids = net.vocab_ids
+        ids = widened_vocab(old_ids, [own.rows[i][0] for i in own_train], widen_vocab, full_rows.shape[0])
+        net.set_vocab(ids, full_rows[ids])
+        vocab_record = {"size": ids.numel(), "widened_from": old_ids.numel(),
+                        "before_training": evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)}
     ft_cfg = TrainConfig(**{**asdict(cfg), "steps": steps, "lr": cfg.lr * 0.3, "warmup": 5, "seed": cfg.seed + 1,
                             "checkpoint_every": 10})
     log = train(net, mixed, train_ids, ft_cfg, workdir / f"finetune-own-{source}{_fused_suffix(layers)}.pt",
@@ -512,6 +521,23 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
             "generate_seconds_this_run": round(generate_s, 1),
             "held_out_own_answers_before": before, "held_out_own_answers_after": after}
     return record | ({"new_vocab": vocab_record} if vocab_record else {})
+
+
+def widened_vocab(old_ids: torch.Tensor, token_rows: list[torch.Tensor], size: int, vocab: int) -> torch.Tensor:
+    """``size`` drafted ids, sorted: every one of ``old_ids``, then the ids ``token_rows`` use most
+    that ``old_ids`` lacks, then the lowest unused ids. Nothing trained is lost: a head's output
+    is scored by the target's own rows (not stored), so a new id is drafted from the first step,
+    and training teaches the head when to.
+
+    Why: the ids a head was first given follow its first corpus. Text it meets later (the target's
+    translations into French or German) is written in pieces outside them: 16,384 ids chosen on
+    ShareGPT and python-docs cover only 0.69 of the target's tokens in its held-out translations,
+    so no draft there can be accepted more often than that. Widening by those answers' own ids
+    to 20,480 covers 0.85 (docs/HEAD-TRAINING.md, 'Stage 10')."""
+    if not old_ids.numel() < size <= vocab:
+        raise ValueError(f"widen_vocab must be above the head's {old_ids.numel()} ids and at most the target's "
+                         f"{vocab}, got {size}")
+    return vocab_subset(token_rows, size, set(old_ids.tolist()), vocab)
 
 
 def _temperatures_used(answers: tuple[AnswerSlice, ...]) -> str:
@@ -532,7 +558,9 @@ def _stage2_line(f: dict, title: str, init: dict | None) -> str:
         + (f", in {f['precision']}" if "precision" in f else "")  # a stage's own; the card's top level is stage 1's
         + (" mixed with as many corpus sequences" if f.get("corpus_mixed_in") else "")
         + (f", starting from `{init['file']}` (sha256 `{init['sha256'][:16]}…`)" if init else "")
-        + (f"; drafted ids re-chosen ({vocab['kept_from_before']} of {vocab['size']} kept)" if vocab else "")
+        + (f"; drafted ids re-chosen ({vocab['kept_from_before']} of {vocab['size']} kept)"
+           if vocab and "kept_from_before" in vocab else "")
+        + (f"; drafted ids widened from {vocab['widened_from']} to {vocab['size']}" if vocab and "widened_from" in vocab else "")
         + f". Held-out own answers, greedy acceptance per position: {f['held_out_own_answers_before']['greedy']} "
         f"before, {f['held_out_own_answers_after']['greedy']} after.")
 

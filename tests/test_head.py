@@ -426,7 +426,8 @@ def test_a_delta_head_rebuilds_its_head_on_its_base(fp32_target, tmp_path):
 
 
 def test_the_shipped_head_rebuilds_on_the_base_shipped_beside_it():
-    """The shipped head is a delta (stop 47): its base must ship beside it, unchanged (sha256)."""
+    """The shipped head is a delta (stop 47) of a head that may itself be a delta (stop 48): every
+    base must ship beside it, unchanged (sha256), and a widened head keeps every id of its base."""
     import json
     from importlib import resources
     from pathlib import Path
@@ -437,8 +438,9 @@ def test_the_shipped_head_rebuilds_on_the_base_shipped_beside_it():
     path = Path(str(resources.files("specdec.heads") / name))
     cfg, state, ids, _ = read_head(path)
     card = json.loads(path.with_suffix(".json").read_text())
-    _, base_state, _, _ = read_head(path.parent / card["stored_as"]["base"])
-    assert state.keys() == base_state.keys() and ids.numel() == 16384
+    _, base_state, base_ids, _ = read_head(path.parent / card["stored_as"]["base"])
+    assert state.keys() == base_state.keys() and ids.numel() >= 16384
+    assert set(base_ids.tolist()) <= set(ids.tolist())
     for key, w in state.items():
         assert w.dtype == torch.float16 and w.shape == base_state[key].shape and torch.isfinite(w).all(), key
     assert cfg.hidden_size == 1536 and not torch.equal(state[LAYER + "mlp.up_proj.weight"], base_state[LAYER + "mlp.up_proj.weight"])

@@ -412,7 +412,7 @@ def test_a_delta_head_rebuilds_its_head_on_its_base(fp32_target, tmp_path):
     base.rename(tmp_path / "moved.safetensors")
     with pytest.raises(FileNotFoundError, match="update of base.safetensors"):
         read_head(delta)
-    save_head(base, base_net.cfg, new_net.export(), base_net.vocab_ids, {})
+    save_head(base, base_net.cfg, new_state, base_net.vocab_ids, {})  # another base, by construction
     with pytest.raises(ValueError, match="sha256"):
         read_head(delta)
     with pytest.raises(ValueError, match="rank must be >= 1"):

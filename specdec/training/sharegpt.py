@@ -205,6 +205,16 @@ def build(encode, seq_len: int, max_tokens: int, split: str = "train", path: Pat
     return {"sequences": seqs, "manifest": manifest}
 
 
+def _in_hash_order(split: str, path: Path | None) -> list[Conversation]:
+    """The ``split`` ("train" or "held_out") conversations in the order of a hash of their id, so
+    requests drawn from the front spread over the whole file."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    convs, _ = conversations((path or data_path()).read_bytes().decode("utf-8", errors="replace"))
+    return sorted((c for c in convs if held_out(c.id) == (split == "held_out")),
+                  key=lambda c: hashlib.sha256(c.id.encode()).hexdigest())
+
+
 TRANSLATE_INTO = ("French", "German", "Spanish", "Italian", "Portuguese")
 _TRANSLATE_ASKS = ("Translate into {lang}: {text}", "Please translate the following text into {lang}.\n\n{text}",
                    "How would you say this in {lang}?\n{text}", "Translate this to {lang}:\n\n{text}")
@@ -232,13 +242,8 @@ def translation_prompts(count: int, split: str = "train", path: Path | None = No
     learns the target's own non-English text, from requests made of the same licensed corpus.
     Conversations are taken in the order of a hash of their id (as :func:`prompts`), one
     paragraph each (its first of plain prose)."""
-    if split not in ("train", "held_out"):
-        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
-    convs, _ = conversations((path or data_path()).read_bytes().decode("utf-8", errors="replace"))
-    chosen = sorted((c for c in convs if held_out(c.id) == (split == "held_out")),
-                    key=lambda c: hashlib.sha256(c.id.encode()).hexdigest())
     out: list[list[dict]] = []
-    for conv in chosen:
+    for conv in _in_hash_order(split, path):
         if len(out) >= count:
             break
         paragraph = next((p.strip() for p in conv.messages[0]["content"].split("\n\n") if _prose(p.strip())), None)
@@ -258,13 +263,8 @@ def prompts(encode, count: int, split: str = "train", max_tokens: int = 320, pat
     (first user turn, the human-written answer, the second user turn), the rest are first turns;
     a request whose ``encode(messages)`` (with the generation prompt) exceeds ``max_tokens`` is
     skipped, or falls back to the first turn alone."""
-    if split not in ("train", "held_out"):
-        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
-    convs, _ = conversations((path or data_path()).read_bytes().decode("utf-8", errors="replace"))
-    chosen = sorted((c for c in convs if held_out(c.id) == (split == "held_out")),
-                    key=lambda c: hashlib.sha256(c.id.encode()).hexdigest())
     out: list[list[dict]] = []
-    for conv in chosen:
+    for conv in _in_hash_order(split, path):
         if len(out) >= count:
             break
         turns = [list(conv.messages[:3]), list(conv.messages[:1])] if len(out) % 2 and len(conv.messages) >= 3 else \

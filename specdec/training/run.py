@@ -533,7 +533,7 @@ def widened_vocab(old_ids: torch.Tensor, token_rows: list[torch.Tensor], size: i
     translations into French or German) is written in pieces outside them: 16,384 ids chosen on
     ShareGPT and python-docs cover only 0.69 of the target's tokens in its held-out translations,
     so no draft there can be accepted more often than that. Widening by those answers' own ids
-    to 20,480 covers 0.85 (docs/HEAD-TRAINING.md, 'Stage 10')."""
+    to 20,480 covers 0.86 (mix9, the shipped head; docs/HEAD-TRAINING.md, 'Stage 11')."""
     if not old_ids.numel() < size <= vocab:
         raise ValueError(f"widen_vocab must be above the head's {old_ids.numel()} ids and at most the target's "
                          f"{vocab}, got {size}")
@@ -588,6 +588,7 @@ def card_markdown(card: dict, file_name: str) -> str:
     """A short human-readable model card from the JSON card: what the head is, each stage that
     made it (oldest first, following ``init_head``), and the held-out figures each one recorded."""
     t = card["train_config"]
+    drafted = card.get("finetune", {}).get("new_vocab", {}).get("size", t["vocab_size"])  # re-chosen or widened last
     stages, init = [], card.get("init_head")
     while init is not None:  # the chain of heads this one was trained from, newest first
         if "card" in init:  # a head trained further on a corpus kept its starting head's card
@@ -610,7 +611,7 @@ precision, where recorded, is on its line). See `specdec/runtime/head.py`.
 - **Reads:** {card.get('features', "the target's last block output")}.
 - **Architecture:** RMS-normalised target feature + token embedding -> fc (2E -> E) -> one decoder
   layer (the target's attention shape, MLP width {t['intermediate_size']}) -> the target's final norm
-  and output rows for {t['vocab_size']} token ids (the rest are never drafted).
+  and output rows for {drafted} token ids (the rest are never drafted).
 - **Labels:** the target's own next-token distribution (distillation), draft steps 1..{t['passes']}
   trained with the head reading its own guesses.{''.join(stages)}
 - **Reproduce:** `{card['command']}`{note}

@@ -12,6 +12,9 @@ with the storage recorded.
     .venv/bin/python benchmarks/head_delta.py --base mix5.safetensors --head mix6.safetensors \\
         --rank 128 --out mix6-r128.safetensors
 
+``--bits 8`` stores the update's factors in int8 with one scale per direction: half the bytes of
+fp16 at the same rank, for ~1% rounding of each direction (``save_head_delta``).
+
 ``--out`` must lie beside ``--base`` (a delta names its base by file name and sha256). Prints each
 matrix's relative error (the update's energy beyond its ``rank`` largest singular values) and the
 file's size; whether a rank keeps the head's acceptance is for ``benchmarks/head_eval.py`` to say.
@@ -33,12 +36,14 @@ def main() -> None:
     ap.add_argument("--base", type=Path, required=True, help="the head file the update is taken against")
     ap.add_argument("--head", type=Path, required=True, help="the head trained further from --base")
     ap.add_argument("--rank", type=int, required=True, help="rank of each matrix's stored update")
+    ap.add_argument("--bits", type=int, choices=(8, 16), default=16,
+                    help="the update's factors in fp16, or in int8 with a scale per direction (half the bytes)")
     ap.add_argument("--out", type=Path, required=True, help="where to write the delta head (beside --base)")
     args = ap.parse_args()
     if args.out.resolve().parent != args.base.resolve().parent:
         ap.error("--out must lie in the same folder as --base: a delta head finds its base beside it")
     _, state, vocab_ids, card = read_head(args.head)
-    errors = save_head_delta(args.out, args.base, state, vocab_ids, args.rank, card)
+    errors = save_head_delta(args.out, args.base, state, vocab_ids, args.rank, card, bits=args.bits)
     for name, err in errors.items():
         print(f"{name:40s} relative error {err:.3f}")
     size = args.out.stat().st_size
@@ -46,7 +51,7 @@ def main() -> None:
     card_path = args.head.with_suffix(".json")
     if card_path.is_file():
         card = json.loads(card_path.read_text())
-        card["stored_as"] = {"base": args.base.name, "rank": args.rank, "bytes": size, "sha256": registry.sha256_of(args.out),
+        card["stored_as"] = {"base": args.base.name, "rank": args.rank, "bits": args.bits, "bytes": size, "sha256": registry.sha256_of(args.out),
                              "relative_error": {k: round(v, 4) for k, v in errors.items()}}
         write_json(args.out.with_suffix(".json"), card)
 

@@ -382,6 +382,8 @@ def test_head_file_round_trip_and_errors(fp32_target, tmp_path):
 def test_a_delta_head_rebuilds_its_head_on_its_base(fp32_target, tmp_path):
     """A head stored as its base plus a rank-r update per matrix: rebuilt exactly (to fp16) when the
     update has rank <= r, with the SVD's error otherwise; refused when the base is missing or altered."""
+    from safetensors import safe_open
+
     from specdec.models.heads import save_head_delta
 
     base_net, new_net = _net(fp32_target, seed=6), _net(fp32_target, seed=6)
@@ -407,6 +409,20 @@ def test_a_delta_head_rebuilds_its_head_on_its_base(fp32_target, tmp_path):
     assert min(errors.values()) > 0.05  # a rank-2 change kept at rank 1 loses one of two directions
     name = LAYER + "mlp.up_proj.weight"
     assert (read_head(low)[1][name].float() - new_state[name]).abs().max() > 1e-2
+
+    # int8 factors, a scale per direction: half the bytes of the update, ~1% rounding of each direction
+    small = tmp_path / "int8.safetensors"
+    errors8 = save_head_delta(small, base, new_state, new_net.vocab_ids, rank=2, bits=8)
+    assert 1e-3 < max(errors8.values()) < 0.02  # rounding shows, and stays small
+    state8 = read_head(small)[1]
+    for name, value in new_state.items():
+        change = (value - state[name].float()).norm()
+        assert (state8[name].float() - value).norm() <= max(0.02 * change, 0.05 * (value - base_net.export()[name]).norm()), name
+    assert not torch.equal(state8[LAYER + "mlp.up_proj.weight"], state[LAYER + "mlp.up_proj.weight"])
+    with safe_open(str(small), framework="pt") as f:
+        assert f.get_tensor(LAYER + "mlp.up_proj.weight.delta_u").dtype == torch.int8
+    with pytest.raises(ValueError, match="bits must be 8 or 16"):
+        save_head_delta(tmp_path / "x.safetensors", base, new_state, new_net.vocab_ids, rank=2, bits=4)
 
     # the base is looked up beside the delta and checked by sha256
     base.rename(tmp_path / "moved.safetensors")

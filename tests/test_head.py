@@ -759,6 +759,8 @@ def test_a_shipped_card_renders_its_evaluation(tmp_path):
     stored = {"base": "b.safetensors", "rank": 256, "bytes": 16e6, "sha256": "ab" * 32, "relative_error": {"fc": 0.5}}
     assert "16.0 MB, sha256 `" + "ab" * 32 + "`: `b.safetensors` plus a rank-256 update" in card_markdown(
         card | {"stored_as": stored}, "h.safetensors")
+    assert "`b.safetensors` plus a rank-256 update of each matrix in int8 (" in card_markdown(
+        card | {"stored_as": stored | {"bits": 8}}, "h.safetensors")
     for key in ("machine", "bench_acceptance", "held_out_eval_sets", "learning_curve"):  # a card without them
         card.pop(key)
     assert "## Evaluation" not in card_markdown(card, "h.safetensors")

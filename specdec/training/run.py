@@ -635,8 +635,9 @@ def _file_line(card: dict) -> str:
     stored = card.get("stored_as")
     if stored is None:
         return full
+    factors = " in int8" if stored.get("bits") == 8 else ""
     return (f"{stored['bytes'] / 1e6:.1f} MB, sha256 `{stored['sha256']}`: `{stored['base']}` plus a rank-"
-            f"{stored['rank']} update of each matrix (the truncated SVD of the trained change; largest relative "
+            f"{stored['rank']} update of each matrix{factors} (the truncated SVD of the trained change; largest relative "
             f"error {max(stored['relative_error'].values()):.2f}). The head it rebuilds was trained as {full}.")
 
 

@@ -761,6 +761,10 @@ def test_a_shipped_card_renders_its_evaluation(tmp_path):
         card | {"stored_as": stored}, "h.safetensors")
     assert "`b.safetensors` plus a rank-256 update of each matrix in int8 (" in card_markdown(
         card | {"stored_as": stored | {"bits": 8}}, "h.safetensors")
+    # the drafted ids are the last re-chosen or widened subset's, also when an earlier round widened them
+    earlier = card | {"finetune": {k: v for k, v in card["finetune"].items() if k != "new_vocab"},
+                      "finetune_earlier": card["finetune_earlier"] | {"new_vocab": {"size": 20480, "widened_from": 16384}}}
+    assert "output rows for 20480 token ids" in card_markdown(earlier, "h.safetensors")
     for key in ("machine", "bench_acceptance", "held_out_eval_sets", "learning_curve"):  # a card without them
         card.pop(key)
     assert "## Evaluation" not in card_markdown(card, "h.safetensors")

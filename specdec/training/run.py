@@ -588,7 +588,8 @@ def card_markdown(card: dict, file_name: str) -> str:
     """A short human-readable model card from the JSON card: what the head is, each stage that
     made it (oldest first, following ``init_head``), and the held-out figures each one recorded."""
     t = card["train_config"]
-    drafted = card.get("finetune", {}).get("new_vocab", {}).get("size", t["vocab_size"])  # re-chosen or widened last
+    drafted = next((card[key]["new_vocab"]["size"] for key in ("finetune", "finetune_earlier")  # re-chosen or widened last
+                    if "new_vocab" in card.get(key, {})), t["vocab_size"])
     stages, init = [], card.get("init_head")
     while init is not None:  # the chain of heads this one was trained from, newest first
         if "card" in init:  # a head trained further on a corpus kept its starting head's card

@@ -844,3 +844,14 @@ def test_the_chain_cut_is_the_product_rule_read_before_each_draft(trained):
                 if size < step["k"]:
                     assert products[size] < min_score
     assert sizes == {0, 1, 2, 3, 4}, sizes
+
+
+def test_train_run_refuses_to_widen_and_re_choose_the_ids_at_once(tmp_path):
+    """The library refuses what ``train-head`` refuses (``--widen-vocab`` with ``--new-vocab``),
+    before it touches the target or the disk."""
+    from specdec.training.run import run
+    from specdec.training.train import TrainConfig
+
+    with pytest.raises(ValueError, match="widen_vocab and new_vocab exclude each other"):
+        run(None, tmp_path / "w", tmp_path / "h.safetensors", 1000, TrainConfig(), set(), new_vocab=True, widen_vocab=96)
+    assert not (tmp_path / "w").exists()

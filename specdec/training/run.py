@@ -91,7 +91,12 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     the own answers (see :func:`_finetune_on_own_answers`). ``fused``: a new head reads EAGLE-3's
     fused features (:func:`features.fused_layers`), stored under their own names in ``workdir``; a
     head from ``init_head`` reads what it was made to read, or with ``fused`` a last-block head
-    becomes a fused one that starts as the same function (:meth:`HeadNet.fuse_as_last_only`)."""
+    becomes a fused one that starts as the same function (:meth:`HeadNet.fuse_as_last_only`).
+    ``widen_vocab``: stage 2 from ``init_head`` widens the drafted ids to that many instead
+    (:func:`widened_vocab`); it excludes ``new_vocab``."""
+    if widen_vocab and new_vocab:
+        raise ValueError("widen_vocab and new_vocab exclude each other: one keeps the head's ids and adds more, "
+                         "the other chooses them anew")
     workdir.mkdir(parents=True, exist_ok=True)
     layers = features.fused_layers(target.model.cfg.num_layers) if fused else ()
     if init_head is not None and not fused:

@@ -16,7 +16,8 @@ with the storage recorded.
 fp16 at the same rank, for ~1% rounding of each direction (``save_head_delta``).
 
 ``--out`` must lie beside ``--base`` (a delta names its base by file name and sha256). Prints each
-matrix's relative error (the update's energy beyond its ``rank`` largest singular values) and the
+matrix's relative error (the update's energy beyond its ``rank`` largest singular values, and the
+rounding of what is kept) and the
 file's size; whether a rank keeps the head's acceptance is for ``benchmarks/head_eval.py`` to say.
 """
 

@@ -337,7 +337,9 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     assert wide.numel() == 96 and set(read_head(out2)[2].tolist()) <= set(wide.tolist())
     card_w = json.loads(out_w.with_suffix(".json").read_text())
     assert card_w["finetune"]["new_vocab"]["widened_from"] == 64 and "--widen-vocab 96" in card_w["command"]
+    assert card_w["drafted_ids"] == 96 and card_w["train_config"]["vocab_size"] == 64  # the card says what the file drafts
     assert "drafted ids widened from 64 to 96" in out_w.with_suffix(".md").read_text()
+    assert "output rows for 96 token ids" in out_w.with_suffix(".md").read_text()
     # stage 1 from the head just made: trained further on the corpus (top-k labels), evaluated before and after
     out3 = tmp_path / "head3.safetensors"
     code, _, err = _run(capsys, "train-head", "--target", str(model), "--dtype", "float32", "--out", str(out3),

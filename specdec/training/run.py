@@ -171,12 +171,19 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
                            f"--tokens {max_tokens} --lr {cfg.lr} --seed {cfg.seed} --init-head {init_head.name}"
                            + (" --fused-features" if layers else "")
                            + _loss_options(cfg) + f"{stage2} --out {out.name}")
+    _write_head(out, net, card)
+    cache.write_atomic(out.with_suffix(".md"), lambda tmp: tmp.write_text(card_markdown(card, out.name)))
+    return card
+
+
+def _write_head(out: Path, net: HeadNet, card: dict) -> None:
+    """Write the head ``net`` to ``out`` and its JSON card beside it, recording on the card what
+    its reader needs without the head file: how many ids it drafts, the file's sha256 and size."""
+    card["drafted_ids"] = net.vocab_ids.numel()
     save_head(out, net.cfg, net.export(), net.vocab_ids, card)
     card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
     card["bytes"] = out.stat().st_size
     write_json(out.with_suffix(".json"), card)
-    cache.write_atomic(out.with_suffix(".md"), lambda tmp: tmp.write_text(card_markdown(card, out.name)))
-    return card
 
 
 def _features_dir(source: str, seq_len: int, layers: tuple[int, ...] = ()) -> str:
@@ -348,10 +355,7 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
                        f"--steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr}"
                        + _loss_options(cfg) + (" --fused-features" if layers else "")
                        + f" --out {out.name}")
-    save_head(out, net.cfg, net.export(), net.vocab_ids, card)
-    card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
-    card["bytes"] = out.stat().st_size
-    write_json(out.with_suffix(".json"), card)
+    _write_head(out, net, card)
     return card
 
 
@@ -593,8 +597,7 @@ def card_markdown(card: dict, file_name: str) -> str:
     """A short human-readable model card from the JSON card: what the head is, each stage that
     made it (oldest first, following ``init_head``), and the held-out figures each one recorded."""
     t = card["train_config"]
-    drafted = next((card[key]["new_vocab"]["size"] for key in ("finetune", "finetune_earlier")  # re-chosen or widened last
-                    if "new_vocab" in card.get(key, {})), t["vocab_size"])
+    drafted = card.get("drafted_ids", t["vocab_size"])  # older cards: stage 1's (every shipped card records it)
     stages, init = [], card.get("init_head")
     while init is not None:  # the chain of heads this one was trained from, newest first
         if "card" in init:  # a head trained further on a corpus kept its starting head's card

@@ -414,10 +414,9 @@ def test_a_delta_head_rebuilds_its_head_on_its_base(fp32_target, tmp_path):
     small = tmp_path / "int8.safetensors"
     errors8 = save_head_delta(small, base, new_state, new_net.vocab_ids, rank=2, bits=8)
     assert 1e-3 < max(errors8.values()) < 0.02  # rounding shows, and stays small
-    state8 = read_head(small)[1]
-    for name, value in new_state.items():
-        change = (value - state[name].float()).norm()
-        assert (state8[name].float() - value).norm() <= max(0.02 * change, 0.05 * (value - base_net.export()[name]).norm()), name
+    state8, base_state = read_head(small)[1], base_net.export()
+    for name, value in new_state.items():  # within 2% of each change: the int8 rounding, plus fp16's of the sum
+        assert (state8[name].float() - value).norm() <= 0.02 * (value - base_state[name]).norm(), name
     assert not torch.equal(state8[LAYER + "mlp.up_proj.weight"], state[LAYER + "mlp.up_proj.weight"])
     with safe_open(str(small), framework="pt") as f:
         assert f.get_tensor(LAYER + "mlp.up_proj.weight.delta_u").dtype == torch.int8

@@ -322,6 +322,23 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     from specdec.models.heads import read_head
 
     assert read_head(out2)[2].numel() == 64
+    # the next stage of the chain in the same workdir (a replay names the answers again, reading the
+    # features already there): its checkpoint is its own, named after its --out, so it neither
+    # resumes nor trips over the previous stage's (which started from another head)
+    assert (tmp_path / "work2" / "finetune-own-python-docs-head2.pt").exists()
+    out2b = tmp_path / "head2b.safetensors"
+    chained = again[:-1]
+    chained[chained.index("--out") + 1], chained[chained.index("--init-head") + 1] = str(out2b), str(out2)
+    code, _, err = _run(capsys, *chained)
+    assert code == 0, err
+    assert "own answers: batch" not in err and "train head" in err  # the answers were read, not generated again
+    assert (tmp_path / "work2" / "finetune-own-python-docs-head2b.pt").exists()
+    card2b = json.loads(out2b.with_suffix(".json").read_text())
+    assert card2b["init_head"]["sha256"] == card2["sha256"] and card2b["finetune"]["answers"] == ["python-docs:0-2"]
+    code, _, err = _run(capsys, *chained)  # rerun: resumes its own finished checkpoint, trains nothing again
+    assert code == 0 and "own answers: batch" not in err, err
+    # the checkpoint's log came back whole (its clock too: no step ran again)
+    assert json.loads(out2b.with_suffix(".json").read_text())["finetune"]["seconds"] == card2b["finetune"]["seconds"]
     # widened from the head just made: every id it drafted is kept, the own answers' ids come next
     out_w = tmp_path / "head-wide.safetensors"
     widen = again[:-1] + ["--widen-vocab", "96"]

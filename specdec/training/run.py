@@ -157,6 +157,7 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
     if answers and finetune_steps:
         finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answers,
                                             finetune_steps, eos_ids, encode_chat, full_rows, corpus_root, source,
+                                            _checkpoint(workdir, f"finetune-own-{source}", out, layers),
                                             new_vocab_from=sequences if new_vocab else None, layers=layers,
                                             widen_vocab=widen_vocab)
         card["finetune"] = finetune
@@ -184,6 +185,13 @@ def _write_head(out: Path, net: HeadNet, card: dict) -> None:
     card["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
     card["bytes"] = out.stat().st_size
     write_json(out.with_suffix(".json"), card)
+
+
+def _checkpoint(workdir: Path, stage: str, out: Path, layers: tuple[int, ...] = ()) -> Path:
+    """A continuing stage's checkpoint, named after the head it writes: the stages of a chain (and
+    a replay of earlier stages' answers) share one workdir, whose features they all read, while
+    each resumes only its own run (``train`` refuses a checkpoint that another run started)."""
+    return workdir / f"{stage}-{out.stem}{_fused_suffix(layers)}.pt"
 
 
 def _features_dir(source: str, seq_len: int, layers: tuple[int, ...] = ()) -> str:
@@ -330,9 +338,9 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
     # batch 1: the target's full-vocabulary p of a 1,024-token window is 0.6 GB in fp32 (batch 4
     # with its temporaries was killed for memory on a 24 GB machine)
     before = evaluate(net, held, held_ids, cfg.passes, full_rows, batch=1, answer_header=header, ends=eos_ids)
-    log = train(net, dataset, train_ids, cfg, workdir / f"finetune-{source}-{seq_len}{_fused_suffix(layers)}.pt",
+    log = train(net, dataset, train_ids, cfg, _checkpoint(workdir, f"finetune-{source}-{seq_len}", out, layers),
                 answer_header=header, ends=eos_ids)
-    write_json(workdir / f"losses-{source}-{seq_len}.json", log)
+    write_json(workdir / f"losses-{source}-{seq_len}-{out.stem}.json", log)
     after = evaluate(net, held, held_ids, cfg.passes, full_rows, batch=1, answer_header=header, ends=eos_ids)
     card = {
         "target": target.name, "target_dtype": model.dtype_name, "train_config": asdict(cfg),
@@ -467,14 +475,15 @@ def _own_answer_dir(workdir: Path, source: str, layers: tuple[int, ...] = ()) ->
 
 
 def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, answers, steps,
-                             eos_ids, encode_chat, full_rows, corpus_root, source, new_vocab_from=None,
+                             eos_ids, encode_chat, full_rows, corpus_root, source, checkpoint: Path, new_vocab_from=None,
                              layers=(), widen_vocab: int = 0) -> dict:
     """Stage 2: the target answers requests (``answers``, :class:`AnswerSlice`; greedy and T = 0.7
     in turn, its features recorded while it generates), then the head is fine-tuned on those answers mixed
     with as many corpus sequences (none when stage 1 ran earlier: ``corpus_data`` is empty), at a
     third of the learning rate. Evaluated on held-out own answers: answers to held-out ShareGPT
-    conversations for ``source`` "sharegpt", else every 10th own answer. ``widen_vocab``: first
-    widen the drafted ids to that many (:func:`widened_vocab`)."""
+    conversations for ``source`` "sharegpt", else every 10th own answer. Training resumes from
+    ``checkpoint`` (:func:`_checkpoint`). ``widen_vocab``: first widen the drafted ids to that many
+    (:func:`widened_vocab`)."""
     net.load_export({k: v.half() for k, v in net.export().items()})  # start from the stage-1 head as saved (fp16)
     t = time.perf_counter()
     own = Dataset([])
@@ -516,9 +525,7 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
                         "before_training": evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)}
     ft_cfg = TrainConfig(**{**asdict(cfg), "steps": steps, "lr": cfg.lr * 0.3, "warmup": 5, "seed": cfg.seed + 1,
                             "checkpoint_every": 10})
-    log = train(net, mixed, train_ids, ft_cfg, workdir / f"finetune-own-{source}{_fused_suffix(layers)}.pt",
-                answer_header=header,
-                ends=eos_ids)
+    log = train(net, mixed, train_ids, ft_cfg, checkpoint, answer_header=header, ends=eos_ids)
     after = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
     record = {"own_answer_sequences": len(own), "own_answer_tokens": sum(r[0].shape[0] for r in own.rows),
             "prompts": " and ".join(dict.fromkeys(_PROMPTS[part.source] for part in answers)),

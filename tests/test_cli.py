@@ -367,6 +367,7 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     card3 = json.loads(out3.with_suffix(".json").read_text())
     assert card3["train_config"]["chain_share"] == 0.5 and card3["command"].endswith("--chain-share 0.5 --out head3.safetensors")
     assert card3["init_head"]["sha256"] == card["sha256"] and len(card3["final_losses"]) == 2
+    assert (tmp_path / "work" / "finetune-python-docs-512-head3.pt").exists()  # named after its --out, too
     assert len(card3["held_out_eval"]["before"]["greedy"]) == len(card3["held_out_eval"]["after"]["greedy"]) == 2
     # a head made for another target (the same shapes, another model) is refused on both paths
     import shutil

@@ -275,3 +275,23 @@ def test_speed_ceiling_bounds_follow_the_cost_model():
         ceiling.parse_costs("2:1.1,5:1.8")
     with pytest.raises(ValueError, match="second size"):
         ceiling.parse_costs("1:1")
+
+
+def test_lookup_replay_match_length_and_the_heads_expected_accepted():
+    replay = _script("lookup_replay")
+    assert replay.match_length([1, 2, 3, 1, 2], 2, 4) == 2
+    assert replay.match_length([1, 2, 3, 4, 9, 1, 2, 3, 4], 2, 4) == 4  # capped at hi, though 4 of 4 repeat
+    assert replay.match_length([1, 2, 3, 4, 9, 2, 3, 4], 2, 4) == 3
+    assert replay.match_length([1, 2, 3, 4, 5], 2, 4) == 0  # no suffix occurred before
+    assert replay.match_length([7, 7], 2, 4) == 0  # the suffix itself is not an earlier occurrence
+    assert replay.match_length([7, 7, 7], 2, 4) == 2  # overlapping occurrences count
+
+    def run(method, accepted, reached, category="code", temperature=0.0):
+        return {"method": method, "category": category, "temperature": temperature,
+                "metrics": {"acceptance": {"accepted_per_position": accepted, "reached_per_position": reached}}}
+
+    runs = [run("head", [1, 1], [2, 1]), run("head", [1, 0], [2, 1]), run("plain", [], []),
+            run("head", [9, 9], [9, 9], category="math"), run("head", [0, 0], [9, 9], temperature=0.7)]
+    # pooled over the two code runs: a1 = 2/4, a2 = 1/2, so E = 0.5 + 0.5 * 0.5
+    assert abs(replay.head_expected_accepted(runs, "code", 0.0) - 0.75) < 1e-12
+    assert replay.head_expected_accepted(runs, "qa", 0.0) is None

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.adaptive import expected_tokens
 from specdec.api import encode_messages
 from specdec.bench.jobs import load_workloads
 from specdec.models import registry
@@ -58,11 +59,8 @@ def head_expected_accepted(runs: list[dict], category: str, temperature: float) 
                 reached[i] += n
     if not reached:
         return None
-    total, run = 0.0, 1.0
-    for i in sorted(reached):
-        run *= accepted[i] / reached[i] if reached[i] else 0.0
-        total += run
-    return total
+    accept = [accepted[i] / reached[i] if reached[i] else 0.0 for i in range(max(reached) + 1)]
+    return expected_tokens(accept, len(accept)) - 1.0  # E(k) counts the token every step commits
 
 
 def main() -> None:

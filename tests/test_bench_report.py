@@ -295,3 +295,82 @@ def test_lookup_replay_match_length_and_the_heads_expected_accepted():
     # pooled over the two code runs: a1 = 2/4, a2 = 1/2, so E = 0.5 + 0.5 * 0.5
     assert abs(replay.head_expected_accepted(runs, "code", 0.0) - 0.75) < 1e-12
     assert replay.head_expected_accepted(runs, "qa", 0.0) is None
+
+
+class _CountingDraft:
+    """A model draft that proposes zeros and keeps what it was fed (the hybrid's queue)."""
+
+    tree_mode, wants_target_hidden, feature_layers = "chains", False, ()
+
+    def __init__(self) -> None:
+        self.fed: list[list[list[int]]] = []
+
+    def add(self, prompts, params, generator, target_hidden=None) -> None:
+        pass
+
+    def propose(self, pending, k, tree=False):
+        import torch
+
+        from specdec.proposers.base import Proposal
+
+        self.fed.append(pending)
+        return Proposal(torch.zeros(len(pending), k, dtype=torch.long), None)
+
+    def observe(self, num_accepted, target_hidden=None) -> None:
+        pass
+
+    def retain(self, rows) -> None:
+        pass
+
+
+def test_source_race_bench_races_lookup_and_draft_where_the_lookup_matches(monkeypatch):
+    """benchmarks/source_race_bench.py's RacingHybrid: where every row's lookup matches, the
+    source that has committed more tokens per second at such steps runs: each is tried first (the
+    lookup, then the draft), then the faster, and every 8th matched step the other. Steps without
+    a match always draft and teach the race nothing; the plain hybrid (the default) drafts with
+    the lookup at every match. A step's seconds run from ``propose`` to the end of ``observe``
+    (a fake clock here)."""
+    import torch
+
+    from specdec.proposers import HybridProposer, NgramProposer
+    from specdec.sampling import SamplingParams
+
+    bench = _script("source_race_bench")
+    clock = [0.0]
+    monkeypatch.setattr(bench, "perf_counter", lambda: clock[0])
+    names = {False: "ngram", True: "draft"}
+
+    def run(hybrid, prompt, tokens, accepted, seconds):
+        hybrid.add([prompt], [SamplingParams(temperature=0.0)], torch.Generator())
+        sources = []
+        for token in tokens:
+            pending = [[token]]  # a new list each step, as the engine's
+            source = hybrid.next_source(pending)
+            assert hybrid.next_source(pending) == source  # asked twice a step: one choice
+            hybrid.propose(pending, 3)
+            clock[0] += seconds[source]
+            hybrid.observe(torch.tensor([accepted[source]]))
+            sources.append(source)
+        return sources
+
+    # The lookup's matches commit 1 token in 10 ms (100 tokens/s), the draft 4 in 20 ms (200 tokens/s).
+    accepted, seconds = {"ngram": 0, "draft": 3}, {"ngram": 0.010, "draft": 0.020}
+    repeats = [1, 2, 1, 2, 1, 2]  # the 2-token lookup always matches
+    draft = _CountingDraft()
+    hybrid = bench.RacingHybrid(NgramProposer(1, 2), draft)
+    sources = run(hybrid, repeats, repeats * 3, accepted, seconds)
+    assert sources[:2] == ["ngram", "draft"]
+    assert sources[2:].count("draft") == 14 and sources[2:].count("ngram") == 2  # steps 8 and 16 explore
+    rates = {names[arm]: hybrid.race.rate(arm) for arm in names}
+    assert rates["draft"] == pytest.approx(200) and rates["ngram"] == pytest.approx(100)
+    assert draft.fed[0] == [[1, 2]]  # the lookup step's token, queued, then the draft step's
+    # The other way round: a lookup committing 4 in 10 ms keeps the lookup.
+    hybrid = bench.RacingHybrid(NgramProposer(1, 2), _CountingDraft())
+    assert run(hybrid, repeats, repeats * 3, {"ngram": 3, "draft": 1}, seconds)[2:].count("ngram") == 14
+    # No match (distinct tokens): the draft, and the race learns nothing.
+    hybrid = bench.RacingHybrid(NgramProposer(2, 2), _CountingDraft())
+    assert set(run(hybrid, [10, 11, 12], [13, 14, 15, 16, 17, 18], accepted, seconds)) == {"draft"}
+    assert hybrid.race.rate(True) is None and hybrid.race.rate(False) is None
+    # The default hybrid: the lookup whenever it matches.
+    assert set(run(HybridProposer(NgramProposer(1, 2), _CountingDraft()), repeats, repeats * 3, accepted,
+                   seconds)) == {"ngram"}

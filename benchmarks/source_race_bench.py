@@ -42,18 +42,21 @@ class RacingHybrid(HybridProposer):
         self._arm: bool | None = None  # this step's arm, at a matched step
         self._start = 0.0
         self._choice = "draft"
+        self._asked: list[list[int]] | None = None  # the step's pending list the choice was made for
 
     def next_source(self, pending: list[list[int]]) -> str:
-        if self._fresh is not pending:  # the step's first ask (the engine's, or propose's)
+        if self._asked is not pending:  # the step's first ask (the engine's, or propose's)
+            self._asked = pending
             matched = super().next_source(pending) == "ngram"
             self._arm = self.race.choose() if matched else None
             self._choice = "draft" if not matched or self._arm else "ngram"
         return self._choice
 
     def propose(self, pending, k, tree=False):
-        self.next_source(pending)
         self._start = perf_counter()
-        return super().propose(pending, k, tree)
+        proposal = super().propose(pending, k, tree)  # (it asks next_source: the step's choice)
+        self._asked = None
+        return proposal
 
     def observe(self, num_accepted, target_hidden=None) -> None:
         super().observe(num_accepted, target_hidden=target_hidden)

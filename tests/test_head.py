@@ -853,3 +853,47 @@ def test_train_run_refuses_to_widen_and_re_choose_the_ids_at_once(tmp_path):
     with pytest.raises(ValueError, match="widen_vocab and new_vocab exclude each other"):
         run(None, tmp_path / "w", tmp_path / "h.safetensors", 1000, TrainConfig(), set(), new_vocab=True, widen_vocab=96)
     assert not (tmp_path / "w").exists()
+
+
+def test_feature_noise_reaches_the_head_and_not_its_labels(fp32_target, monkeypatch):
+    """feature_noise: the head's chains read the features plus noise whose std is the asked share
+    of each vector's mean |h|, drawn by the step's generator (the same draw for the same seed);
+    the labels (the target's top-k) are read from the clean features. Without noise the head
+    reads the very features it is given. Fails if the noise is applied to the labels, skipped,
+    or scaled otherwise (the measured std is checked to 5% over ~5,000 draws)."""
+    from pathlib import Path
+
+    from specdec.training import train as train_module
+    from specdec.training.head_net import HeadNet
+
+    data = _dataset(fp32_target, _corpus(fp32_target, 4, 20, seed=7))
+    net = _net(fp32_target, vocab=SUBSET, seed=2)
+    tokens, feats, lengths = data.batch([0, 1, 2, 3])
+    seen = {"chains": [], "labels": []}
+    chains, target_logits = HeadNet.chains, HeadNet.target_logits
+
+    def spy_chains(self, hidden, *a):
+        seen["chains"].append(hidden.clone())
+        return chains(self, hidden, *a)
+
+    def spy_logits(self, hidden):
+        if hidden.shape[-1] == feats.shape[-1] and hidden.dim() == 2 and not hidden.requires_grad:
+            seen["labels"].append(hidden.clone())
+        return target_logits(self, hidden)
+
+    monkeypatch.setattr(HeadNet, "chains", spy_chains)
+    monkeypatch.setattr(HeadNet, "target_logits", spy_logits)
+    draw = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    train_module.pass_losses_top_k(net, tokens, feats, lengths, 3, 8, generator=draw())
+    for share in (0.1, 0.1):
+        train_module.pass_losses_top_k(net, tokens, feats, lengths, 3, 8, generator=draw(), feature_noise=share)
+    clean, noisy, again = seen["chains"]
+    assert torch.equal(clean, feats)
+    assert torch.equal(noisy, again)  # the generator's draw: resumable
+    scale = feats.float().abs().mean(-1, keepdim=True)  # [B, L, 1]
+    ratio = ((noisy.float() - feats.float()) / scale)[lengths.view(-1, 1) > torch.arange(feats.shape[1])]
+    assert ratio.numel() > 4_000  # the std estimate's relative SE ~ 1/sqrt(2n) < 1.2%: 5% is > 4 SE
+    assert float(ratio.std()) == pytest.approx(0.1, rel=0.05)
+    assert len(seen["labels"]) == 3 and all(torch.equal(x, seen["labels"][0]) for x in seen["labels"])
+    with pytest.raises(ValueError, match="feature_noise"):
+        train_module.train(net, data, [0, 1], train_module.TrainConfig(steps=1, feature_noise=0.1), Path("/nonexistent"))

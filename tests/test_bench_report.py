@@ -297,6 +297,16 @@ def test_lookup_replay_match_length_and_the_heads_expected_accepted():
     assert replay.head_expected_accepted(runs, "qa", 0.0) is None
 
 
+def test_fit_gap_groups_name_slices_of_own_answers():
+    gap = _script("fit_gap")
+    name, part = gap.parse_group("seen=sharegpt:222-225")
+    assert (name, part.source, list(part.batches)) == ("seen", "sharegpt", [222, 223, 224])
+    assert gap.parse_group("x=sharegpt-translate:4")[1].batches == range(0, 4)
+    for bad in ("sharegpt:1-2", "=sharegpt:1-2", "a=nosuch:1-2", "a=sharegpt:5-5"):
+        with pytest.raises(ValueError):
+            gap.parse_group(bad)
+
+
 class _CountingDraft:
     """A model draft that proposes zeros and keeps what it was fed (the hybrid's queue)."""
 

@@ -441,7 +441,7 @@ def _answer_slice(target, workdir: Path, part: AnswerSlice, run_source: str, run
     if len(prompts) <= part.first * ANSWER_BATCH:
         raise ValueError(f"answers {part}: {part.source} gives {len(prompts)} requests here, fewer than batch "
                          f"{part.first} needs ({ANSWER_BATCH} per batch)")
-    return own_answers(target, _own_answer_dir(workdir, part.source, layers), prompts, part.batches, eos_ids,
+    return own_answers(target, own_answer_dir(workdir, part.source, layers), prompts, part.batches, eos_ids,
                        encode_chat, layers)
 
 
@@ -471,7 +471,7 @@ def held_out_own_answers(target, workdir: Path, encode_chat, eos_ids, layers: tu
                        HELD_OUT_ANSWER_BATCHES, eos_ids, encode_chat, layers)
 
 
-def _own_answer_dir(workdir: Path, source: str, layers: tuple[int, ...] = ()) -> Path:
+def own_answer_dir(workdir: Path, source: str, layers: tuple[int, ...] = ()) -> Path:
     return workdir / (("own-answers" if source == "python-docs" else f"own-answers-{source}") + _fused_suffix(layers))
 
 

@@ -25,11 +25,9 @@ from pathlib import Path
 
 from specdec.api import TextGenerator
 from specdec.models import heads, registry
-from specdec.models.heads import read_head
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.training import features
-from specdec.training.head_net import HeadNet
-from specdec.training.run import AnswerSlice, own_answer_dir, answer_header
+from specdec.training.run import AnswerSlice, answer_header, init_net, own_answer_dir
 from specdec.training.train import Dataset, evaluate
 
 
@@ -58,13 +56,11 @@ def main() -> None:
         raise SystemExit(f"--group: {e}") from None
 
     gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
-    head_cfg, state, vocab_ids, card = read_head(Path(args.head))
-    passes = card.get("train_config", {}).get("passes", 3)
-    model = gen.target.model
     full_rows = heads.output_rows(gen.target)  # [V, E] fp32
-    net = HeadNet(head_cfg, vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], 0)
-    net.load_export(state)
+    net, card = init_net(Path(args.head), gen.target, full_rows)
     net.eval()
+    head_cfg = net.cfg
+    passes = card.get("train_config", {}).get("passes", 3)
     header = answer_header(gen.encode_chat)
     out = {"head": Path(args.head).name, "temperature": args.temperature, "groups": {}}
     for name, part in groups:

@@ -30,10 +30,8 @@ from pathlib import Path
 
 from specdec.api import TextGenerator
 from specdec.models import heads, registry
-from specdec.models.heads import read_head
-from specdec.training.head_net import HeadNet
 from specdec.runtime.linear import DEFAULT_DTYPE
-from specdec.training.run import answer_header, default_workdir, held_out_own_answers, held_out_sharegpt
+from specdec.training.run import answer_header, default_workdir, held_out_own_answers, held_out_sharegpt, init_net
 
 
 def cpu_name() -> str:
@@ -66,13 +64,11 @@ def main() -> None:
     sets = args.sets.split(",")
     if not set(sets) <= {"sharegpt", "own-answers", "translations"}:
         raise SystemExit(f"--sets: choose from sharegpt, own-answers, translations; got {args.sets}")
-    head_cfg, state, vocab_ids, card = read_head(path)
-    passes = card.get("train_config", {}).get("passes", 3)  # the draft steps it was trained for
-    model = gen.target.model
     full_rows = heads.output_rows(gen.target)  # [V, E] fp32
-    net = HeadNet(head_cfg, vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], 0)
-    net.load_export(state)
+    net, card = init_net(path, gen.target, full_rows)
     net.eval()
+    head_cfg = net.cfg
+    passes = card.get("train_config", {}).get("passes", 3)  # the draft steps it was trained for
     header = answer_header(gen.encode_chat)
     from specdec.training.train import evaluate
 

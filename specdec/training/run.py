@@ -139,7 +139,7 @@ def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: Tra
                                                 workdir / _features_dir(source, seq_len, layers), layers)
         command = _stage1_command(target, max_tokens, max_sequences, cfg) + (" --fused-features" if layers else "")
     else:
-        net, card = _init_net(init_head, target, full_rows, cfg.seed, layers)
+        net, card = init_net(init_head, target, full_rows, cfg.seed, layers)
         earlier_dtype, card["target_dtype"] = card.get("target_dtype"), model.dtype_name
         beside = init_head.with_suffix(".json")  # the card written next to it: its command, full records
         full = json.loads(beside.read_text()) if beside.exists() else {}
@@ -210,15 +210,17 @@ def _fused_suffix(layers: tuple[int, ...]) -> str:
     return "".join(f"-{i}" for i in ("fused",) + layers) if layers else ""
 
 
-def _init_net(init_head: Path, target: LoadedModel, full_rows, seed: int,
-              layers: tuple[int, ...]) -> tuple[HeadNet, dict]:
-    """The head in ``init_head`` as a trainable net reading ``layers`` (and its card): a head that
-    reads the last block's features alone, asked to read fused ones, starts as the same function.
+def init_net(init_head: Path, target: LoadedModel, full_rows, seed: int = 0,
+             layers: tuple[int, ...] | None = None) -> tuple[HeadNet, dict]:
+    """The head in ``init_head`` as a trainable net reading ``layers`` (None: the blocks it was made
+    for), and its card: a head that reads the last block's features alone, asked to read fused
+    ones, starts as the same function. ``full_rows`` [V, E]: the target's output rows.
     The head must have been made for ``target``; another runtime dtype of it is a continuation
     (its features differ by rounding, q4 against q4k, and the head learns the ones it will read;
     the new card records the earlier dtype under ``init_head``)."""
     model = target.model
     head_cfg, state, vocab_ids, card = read_head(init_head)
+    layers = head_cfg.feature_layers if layers is None else layers
     if card.get("target") != target.name:
         raise ValueError(f"init_head {init_head} was trained for {card.get('target')}, not {target.name}")
     if head_cfg.target_vocab_size != model.vocab_size or head_cfg.hidden_size != model.cfg.hidden_size:
@@ -321,7 +323,7 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
     corpus's features (top-k labels, answers only when ``cfg.answers_only``), then evaluate the
     head before and after on held-out ShareGPT conversations; returns the card."""
     model = target.model
-    net, old_card = _init_net(init_head, target, full_rows, cfg.seed, layers)
+    net, old_card = init_net(init_head, target, full_rows, cfg.seed, layers)
     feature_dir = workdir / _features_dir(source, seq_len, layers)
     t = time.perf_counter()
     features.extract(model, sequences, feature_dir, layers)

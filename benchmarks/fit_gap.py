@@ -54,10 +54,17 @@ def main() -> None:
         groups = [parse_group(g) for g in args.group]
     except ValueError as e:
         raise SystemExit(f"--group: {e}") from None
+    if not Path(args.head).is_file():
+        raise SystemExit(f"--head {args.head} is not a file")
+    if not args.workdir.is_dir():
+        raise SystemExit(f"--workdir {args.workdir} is not a directory")
 
     gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
     full_rows = heads.output_rows(gen.target)  # [V, E] fp32
-    net, card = init_net(Path(args.head), gen.target, full_rows)
+    try:
+        net, card = init_net(Path(args.head), gen.target, full_rows)
+    except ValueError as e:  # a head made for another target
+        raise SystemExit(f"--head: {e}") from None
     net.eval()
     head_cfg = net.cfg
     passes = card.get("train_config", {}).get("passes", 3)

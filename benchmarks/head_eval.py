@@ -65,7 +65,10 @@ def main() -> None:
     if not set(sets) <= {"sharegpt", "own-answers", "translations"}:
         raise SystemExit(f"--sets: choose from sharegpt, own-answers, translations; got {args.sets}")
     full_rows = heads.output_rows(gen.target)  # [V, E] fp32
-    net, card = init_net(path, gen.target, full_rows)
+    try:
+        net, card = init_net(path, gen.target, full_rows)
+    except ValueError as e:  # a head made for another target
+        raise SystemExit(f"--head: {e}") from None
     net.eval()
     head_cfg = net.cfg
     passes = card.get("train_config", {}).get("passes", 3)  # the draft steps it was trained for

@@ -253,7 +253,8 @@ def noisy_features(feats: torch.Tensor, hidden_size: int, share: float,
     (|h| in the hundreds where the median is ~2-10) and its scale varies by token, so a fixed std
     (EAGLE's uniform noise) would drown some tokens and not touch others. Why at all: a head
     trained ~1.6 passes over its rows accepts ~0.1 more on those rows than on unseen ones
-    (HEAD-TRAINING 'The fit gap'); noise on its input is EAGLE's guard against such memorising."""
+    (HEAD-TRAINING 'The fit gap'), and noise on its input is EAGLE's guard against such
+    memorising. Measured there at 0.1 against none, at equal compute: no held-out gain (+0.001)."""
     x = feats.float().unflatten(-1, (-1, hidden_size))  # [B, L, G, E]
     scale = x.abs().mean(-1, keepdim=True) * share  # [B, L, G, 1]
     noise = torch.randn(x.shape, generator=generator) * scale
@@ -298,10 +299,10 @@ def train(net: HeadNet, data: Dataset, train_ids: list[int], cfg: TrainConfig, c
         raise ValueError("answers_only needs label_top_k > 0 and the chat template's answer_header")
     if cfg.chain_share != 1 and not cfg.label_top_k:
         raise ValueError("chain_share < 1 needs label_top_k > 0 (the sampled chains are trained with top-k labels)")
-    if cfg.feature_noise and not cfg.label_top_k:
-        raise ValueError("feature_noise > 0 needs label_top_k > 0 (the noise is drawn in pass_losses_top_k)")
     if cfg.feature_noise < 0:
         raise ValueError(f"feature_noise must be >= 0, got {cfg.feature_noise}")
+    if cfg.feature_noise and not cfg.label_top_k:
+        raise ValueError("feature_noise > 0 needs label_top_k > 0 (the noise is drawn in pass_losses_top_k)")
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     step, log = 0, {"loss": [], "seconds": 0.0}

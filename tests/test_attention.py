@@ -19,8 +19,9 @@ def _qkv(seed: int, b=3, t=4, hq=4, hkv=2, d=32, s=40, spread=3.0):
     return q, k, v
 
 
-def _textbook(q, k, v, vis):
-    """Softmax attention in float64 over each query's listed slots (not the kernel's order)."""
+def _textbook(q, k, v, vis, cap=None):
+    """Softmax attention in float64 over each query's listed slots (not the kernel's order);
+    ``cap``: softcapped scores, ``cap * tanh(s / cap)``."""
     bsz, t, hq, d = q.shape
     rep = hq // k.shape[1]
     out = torch.empty(bsz, t, hq, d, dtype=torch.float64)
@@ -30,7 +31,8 @@ def _textbook(q, k, v, vis):
         slots = torch.cat([torch.arange(int(vis.lo[i]), int(vis.hi[i])), vis.extra[p0:p1]])
         for h in range(hq):
             keys, values = k[b, h // rep, slots].double(), v[b, h // rep, slots].double()
-            w = torch.softmax(keys @ q[b, j, h].double() / math.sqrt(d), -1)
+            scores = keys @ q[b, j, h].double() / math.sqrt(d)
+            w = torch.softmax(scores if cap is None else cap * torch.tanh(scores / cap), -1)
             out[b, j, h] = w @ values
     return out
 
@@ -65,6 +67,28 @@ def test_kernel_is_bit_identical_to_the_reference(case, spread, code_path):
     # not a vacuous equality: close to textbook attention, but computed in its own fixed order
     expected = _textbook(q, k, v, vis)
     assert (got.double() - expected).abs().max() < 1e-4 * max(1.0, spread)
+
+
+@pytest.mark.parametrize("case", ["chain", "window", "tree"])
+@pytest.mark.parametrize("spread, cap", [(0.3, 50.0), (3.0, 5.0), (30.0, 2.0)])
+def test_softcapped_kernel_is_bit_identical_to_the_reference(case, spread, cap, code_path):
+    """Gemma 2's attention-logit softcapping: the kernel's tanh (from its exp16) in the same bits
+    as the reference, close to float64 tanh, and it bites (without it the output differs)."""
+    q, k, v = _qkv(len(case) + 7, spread=spread, s=57)
+    vis = CASES[case]()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    got = attention.attend(q, k, v, vis, scale, cap)
+    assert torch.equal(got, attention.reference_attend(q, k, v, vis, scale, cap))
+    assert (got.double() - _textbook(q, k, v, vis, cap)).abs().max() < 1e-4 * max(1.0, spread)
+    if spread >= 3.0:
+        assert (got - attention.attend(q, k, v, vis, scale)).abs().max() > 1e-2
+
+
+def test_softcap_is_tanh_within_float_rounding():
+    x = torch.linspace(-400.0, 400.0, 100_001)
+    for cap in (2.0, 30.0, 50.0):
+        exact = cap * torch.tanh(x.double() / cap)
+        assert (attention.softcap(x, cap).double() - exact).abs().max() < 4e-7 * cap
 
 
 def test_bit_equality_is_a_sharp_check():

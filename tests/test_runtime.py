@@ -8,7 +8,7 @@ import torch
 from specdec.runtime import q4
 
 from specdec.runtime.kv_cache import KVCache
-from tiny_models import hf_tiny, ours
+from tiny_models import FAMILIES, hf_tiny, ours
 
 ARCHS = ["llama", "qwen2", "gemma3"]
 
@@ -101,7 +101,7 @@ def _row_three_ways(model):
 
 @pytest.mark.parametrize("dtype", ["int8"] + [pytest.param(d, marks=pytest.mark.skipif(
     not q4.available(), reason="the 4-bit kernel needs an AVX2 CPU")) for d in ("q4", "q4k")])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + FAMILIES)
 def test_quantized_logits_are_bit_identical_alone_in_a_block_and_in_a_batch(arch, dtype):
     one_by_one, alone, batched = _row_three_ways(ours(hf_tiny(arch), dtype))
     assert torch.equal(one_by_one, alone)

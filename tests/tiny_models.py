@@ -37,6 +37,8 @@ def _build(kind: str, vocab: int, seed: int, layers: int, hidden: int):
         cfg, cls = transformers.LlamaConfig(**common, tie_word_embeddings=False), transformers.LlamaForCausalLM
     elif kind == "qwen2":
         cfg, cls = transformers.Qwen2Config(**common, tie_word_embeddings=True), transformers.Qwen2ForCausalLM
+    elif kind in FAMILIES:
+        cfg, cls = _family_config(kind, common)
     elif kind == "gemma3":
         cfg = transformers.Gemma3TextConfig(
             **common,
@@ -53,6 +55,47 @@ def _build(kind: str, vocab: int, seed: int, layers: int, hidden: int):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model, torch.get_rng_state()
+
+
+# Tiny models of the families issue 56 added, each exercising what sets it apart: scaled rope
+# frequencies (over several hundred positions), q/k norms, fused projections with partial rotary,
+# sliding windows shorter than the tests' sequences, softcapping that bites.
+FAMILIES = ["llama3", "llama_linear", "llama_dynamic", "qwen2_yarn", "qwen3", "mistral", "phi3", "gemma2"]
+ORIGINAL_CONTEXT = 64  # the tiny llama3/yarn models' original_max_position_embeddings: 300 positions pass it
+WINDOW = 32  # the tiny sliding-window models' window
+
+
+def _family_config(kind: str, common: dict):
+    llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL_CONTEXT}
+    if kind == "llama3":
+        return transformers.LlamaConfig(**common, rope_parameters=llama3), transformers.LlamaForCausalLM
+    if kind == "llama_linear":
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+        return transformers.LlamaConfig(**common, rope_parameters=rope), transformers.LlamaForCausalLM
+    if kind == "llama_dynamic":
+        rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+        return transformers.LlamaConfig(**common, rope_parameters=rope), transformers.LlamaForCausalLM
+    if kind == "qwen2_yarn":
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": ORIGINAL_CONTEXT}
+        return transformers.Qwen2Config(**common, rope_parameters=rope), transformers.Qwen2ForCausalLM
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True), transformers.Qwen3ForCausalLM
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=WINDOW), transformers.MistralForCausalLM
+    if kind == "phi3":  # Phi-4-mini's shape: partial rotary, LongRoPE; max 2048 positions, original 512
+        dim = 8  # rotary dims of a 16-wide head at partial_rotary_factor 0.5
+        short = [1.0 + 0.5 * i for i in range(dim // 2)]
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "short_factor": short,
+                "long_factor": [4.0 * f for f in short], "original_max_position_embeddings": 512}
+        cfg = transformers.Phi3Config(**{**common, "max_position_embeddings": 2048}, rope_parameters=rope,
+                                      original_max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        return cfg, transformers.Phi3ForCausalLM
+    if kind == "gemma2":
+        cfg = transformers.Gemma2Config(**common, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, attn_implementation="eager")
+        return cfg, transformers.Gemma2ForCausalLM
+    raise ValueError(kind)
 
 
 def ours(hf_model, dtype: str = "float32", act_absmax=None) -> Transformer:

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from specdec import cache
-from specdec.models import registry
+from specdec.models import gguf_meta, registry
 from specdec.models.gguf_q4k import Q4KTensors
 from specdec.models.calibration import cached_calibration
-from specdec.runtime.config import ModelConfig
+from specdec.runtime.config import ModelConfig, UnsupportedModel
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.runtime.model import Transformer
 
@@ -84,6 +84,7 @@ def _resolve(name_or_path: str, install: bool) -> tuple[Path, Path | None]:
         return convert_gguf(spec.gguf_path, out), spec.gguf_path
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        _check_gguf(path)  # damaged or unsupported: refused before anything is written to the cache
         out = convert_gguf(path, _gguf_dir_for(path))
         prefix = out.name.rsplit("-", 1)[0]
         for old in out.parent.glob(f"{prefix}-*"):  # conversions of this path's earlier contents
@@ -114,7 +115,8 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
 
 def _check_gguf(gguf: Path) -> None:
     """Read ``gguf``'s header, metadata and tensor table (no weights): ModelLoadError if it is
-    damaged, truncated or not a GGUF file."""
+    damaged, truncated or not a GGUF file; UnsupportedModel if its conversion would drop
+    something the model needs (:func:`specdec.models.gguf_meta.check`)."""
     from gguf import GGUFReader
 
     try:
@@ -124,6 +126,7 @@ def _check_gguf(gguf: Path) -> None:
         raise ModelLoadError(f"cannot read {gguf}: damaged or not a supported GGUF model ({cache.brief(exc)})") from exc
     if end > gguf.stat().st_size:
         raise ModelLoadError(f"cannot read {gguf}: truncated ({gguf.stat().st_size} bytes, its tensors need {end})")
+    gguf_meta.check(reader, gguf)
 
 
 def _write_done(directory: Path, gguf: Path) -> None:
@@ -263,6 +266,8 @@ def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False
     directory, gguf = _resolve(name_or_path, install)
     try:
         model, tokenizer = _load_directory(directory, dtype, gguf)
+    except UnsupportedModel:  # a model specdec cannot compute exactly: refused, never converted again
+        raise
     except Exception as exc:  # anything unreadable in the directory
         if gguf is None:
             if isinstance(exc, ModelLoadError):

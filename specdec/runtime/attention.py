@@ -72,16 +72,18 @@ def tree(base: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None 
     return Visibility(lo, hi, extra_ptr, extra)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, scale: float,
+           cap: float | None = None) -> torch.Tensor:
     """``q`` ``[B, T, Hq, D]``, ``k``/``v`` ``[B, Hkv, S, D]`` (a layer of the cache) ->
-    ``[B, T, Hq, D]`` in ``q``'s dtype; computed in fp32."""
+    ``[B, T, Hq, D]`` in ``q``'s dtype; computed in fp32. ``cap``: attention-logit softcapping
+    (Gemma 2), each score ``s`` becomes :func:`softcap` ``(s, cap)`` before the softmax."""
     dtype = q.dtype
     if dtype != torch.float32:  # bf16 runtime: only the slots up to the furthest visible one
         end = int(torch.cat([vis.hi, vis.extra + 1]).max())
         q, k, v = q.float(), k[:, :, :end].float(), v[:, :, :end].float()
     if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
         q = q.contiguous()
-    out = kernel().attend(q, k, v, vis.lo, vis.hi, vis.extra_ptr, vis.extra, scale)
+    out = kernel().attend(q, k, v, vis.lo, vis.hi, vis.extra_ptr, vis.extra, scale, cap or 0.0)
     return out.to(dtype)
 
 
@@ -106,7 +108,18 @@ def _dot16(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return acc[:, 0] + acc[:, 1]
 
 
-def reference_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, scale: float) -> torch.Tensor:
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` as the kernel computes it: ``tanh(t) = sign(t) (1 - e) / (1 + e)``
+    with ``e = exp16(-2|t|)``, one fp32 rounding per operation."""
+    c = torch.tensor(cap, dtype=torch.float32)
+    t = x / c
+    e = exp16(-2.0 * t.abs())
+    r = (1.0 - e) / (1.0 + e)
+    return torch.where(t < 0, -r, r) * c
+
+
+def reference_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, scale: float,
+                     cap: float | None = None) -> torch.Tensor:
     """The kernel's computation in plain torch, query by query (slow; the bit-exact reference)."""
     bsz, t, hq, d = q.shape
     rep = hq // k.shape[1]
@@ -119,6 +132,8 @@ def reference_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Vis
         for head in range(hq):
             keys, values = k[b, head // rep, slots].float(), v[b, head // rep, slots].float()  # [n, D]
             scores = _dot16(q[b, j, head].float(), keys) * s  # [n]
+            if cap:
+                scores = softcap(scores, cap)
             probs = exp16(scores - scores.max())
             total = torch.zeros(())
             acc = torch.zeros(d)

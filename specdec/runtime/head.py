@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.runtime.config import ModelConfig
+from specdec.runtime.config import ModelConfig, Rope
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.linear import LinearBuilder
 from specdec.runtime.model import Transformer, rms_norm
@@ -68,7 +68,7 @@ class HeadConfig:
                            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
                            max_position_embeddings=max_positions, tie_word_embeddings=False,
-                           attention_bias=self.attention_bias, rope_theta=self.rope_theta)
+                           attention_bias=self.attention_bias, rope=Rope(self.rope_theta, self.head_dim))
 
 
 class DraftHead:

@@ -1,4 +1,5 @@
-"""Inference-only transformer for the llama family (Llama, Qwen2, SmolLM2) and Gemma 3.
+"""Inference-only decoder for the families of :mod:`specdec.runtime.config` (Llama 2/3, Mistral,
+Qwen2/3, Phi-3, Gemma 2/3), branching only on the config's fields.
 
 Written for decoding: the caller passes a block of ``T`` new tokens per row and a
 :class:`~specdec.runtime.kv_cache.KVCache`; the block is written at each row's current length and
@@ -22,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.runtime import attention, elementwise, stack
-from specdec.runtime.config import ModelConfig
+from specdec.runtime import rope as rotary
+from specdec.runtime.config import ModelConfig, Rope
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.linear import LinearBuilder, activation_dtype
 
@@ -40,14 +42,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
 
 
 def rope_tables(theta: float, head_dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and the signed ``sin`` tables ``[P, D]`` of :func:`apply_rope`: ``sin`` with its
-    first half negated, so that rotating is ``x * cos + roll(x, D/2) * sin``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)  # [P, D/2]
-    emb = torch.cat([freqs, freqs], -1)  # [P, D]
-    sin = emb.sin()
-    sin[:, : head_dim // 2].neg_()
-    return emb.cos(), sin
+    """``cos`` and the signed ``sin`` tables ``[P, D]`` of :func:`apply_rope` for the default rope
+    (``sin`` with its first half negated, so that rotating is ``x * cos + roll(x, D/2) * sin``)."""
+    return rotary.tables(Rope(theta, head_dim), max_pos)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -55,13 +52,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     sin`` with ``rotate_half(x) = [-x2, x1]``. Written as ``x * cos + [x2, x1] * sin_signed``
     (``sin`` from :func:`rope_tables`, first half negated): the same products, since
     ``(-a) * b == a * (-b)`` exactly, in 4 ops instead of 8. x ``[..., D]``; cos/sin broadcastable
-    to it, e.g. x ``[B, T, H, D]`` with ``[B, T, 1, D]``."""
+    to it, e.g. x ``[B, T, H, D]`` with ``[B, T, 1, D]``. Partial rotary (cos/sin ``[..., R]``,
+    R < D): the first R dimensions are rotated, the others pass unchanged."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], -1)
     xf = x.float()
-    return (xf * cos + torch.roll(xf, x.shape[-1] // 2, -1) * sin).to(x.dtype)
+    return (xf * cos + torch.roll(xf, rot // 2, -1) * sin).to(x.dtype)
 
 
 class Block(torch.nn.Module):
-    def __init__(self, cfg, weights, prefix: str, dtype: str, layer: int, linear: LinearBuilder):
+    def __init__(self, cfg: ModelConfig, weights, prefix: str, dtype: str, layer: int, linear: LinearBuilder):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         w = lambda name: weights[prefix + name]  # noqa: E731
@@ -71,29 +72,36 @@ class Block(torch.nn.Module):
             parts = [w(n) if n.endswith("weight") else b(n) for n in names]
             return None if any(p is None for p in parts) else torch.cat(parts)
 
-        qkv = [f"self_attn.{p}_proj" for p in "qkv"]
         name = f"layers.{layer}."
         heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
-        qkv_parts = tuple((prefix + f"self_attn.{p}_proj.weight", heads[p] * cfg.head_dim) for p in "qkv")
         inter = cfg.intermediate_size
-        self.qkv = linear(name + "qkv", lambda: cat(*(p + ".weight" for p in qkv)), lambda: cat(*(p + ".bias" for p in qkv)),
-                          parts=qkv_parts)
+        if cfg.fused_qkv:  # one stored weight each (Phi-3): q, k, v rows and gate, up rows, in that order
+            qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+            self.qkv = linear(name + "qkv", lambda: w("self_attn.qkv_proj.weight"), lambda: b("self_attn.qkv_proj.bias"),
+                              parts=((prefix + "self_attn.qkv_proj.weight", qkv_rows),))
+            self.gate_up = linear(name + "gate_up", lambda: w("mlp.gate_up_proj.weight"),
+                                  parts=((prefix + "mlp.gate_up_proj.weight", 2 * inter),))
+        else:
+            qkv = [f"self_attn.{p}_proj" for p in "qkv"]
+            qkv_parts = tuple((prefix + f"self_attn.{p}_proj.weight", heads[p] * cfg.head_dim) for p in "qkv")
+            self.qkv = linear(name + "qkv", lambda: cat(*(p + ".weight" for p in qkv)),
+                              lambda: cat(*(p + ".bias" for p in qkv)), parts=qkv_parts)
+            self.gate_up = linear(name + "gate_up", lambda: cat("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                                  parts=((prefix + "mlp.gate_proj.weight", inter), (prefix + "mlp.up_proj.weight", inter)))
         self.o = linear(name + "o", lambda: w("self_attn.o_proj.weight"), lambda: b("self_attn.o_proj.bias"),
                         parts=((prefix + "self_attn.o_proj.weight", cfg.hidden_size),))
-        self.gate_up = linear(name + "gate_up", lambda: cat("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                              parts=((prefix + "mlp.gate_proj.weight", inter), (prefix + "mlp.up_proj.weight", inter)))
         self.down = linear(name + "down", lambda: w("mlp.down_proj.weight"), parts=((prefix + "mlp.down_proj.weight", cfg.hidden_size),))
         act = activation_dtype(dtype)
         norm_dtype = torch.float32 if cfg.is_gemma else act
         self.norms = {name: w(name + ".weight").to(norm_dtype) for name in self._norm_names()}
-        if cfg.is_gemma:
-            self.q_norm = w("self_attn.q_norm.weight").float()
-            self.k_norm = w("self_attn.k_norm.weight").float()
-        self.sliding = cfg.is_gemma and cfg.layer_is_sliding[layer]
-        # fp32 llama blocks run as seven kernel calls (_forward_fused); Gemma and bf16 op by op
-        self.fused = (not cfg.is_gemma and act == torch.float32 and cfg.hidden_size % elementwise.LANES == 0
+        if cfg.qk_norm:
+            self.q_norm = w("self_attn.q_norm.weight").to(norm_dtype)
+            self.k_norm = w("self_attn.k_norm.weight").to(norm_dtype)
+        self.sliding = cfg.layer_is_sliding[layer]
+        # fp32 llama blocks run as seven kernel calls (_forward_fused); the others and bf16 op by op
+        self.fused = (cfg.plain_llama and act == torch.float32 and cfg.hidden_size % elementwise.LANES == 0
                       and cfg.intermediate_size % elementwise.LANES == 0)
-        self.scale = cfg.query_pre_attn_scalar**-0.5 if cfg.is_gemma else 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = cfg.scale
 
     def _norm_names(self) -> list[str]:
         names = ["input_layernorm", "post_attention_layernorm"]
@@ -106,7 +114,7 @@ class Block(torch.nn.Module):
 
     def forward(self, x, cache: KVCache, slots, common_start, rope, visible) -> torch.Tensor:
         if self.fused:
-            return self._forward_fused(x, cache, slots, rope["global"], visible["global"])
+            return self._forward_fused(x, cache, slots, rope["global"], visible["local" if self.sliding else "global"])
         return self._forward_ops(x, cache, slots, common_start, rope, visible)
 
     def _forward_fused(self, x, cache: KVCache, slots, rope, visible) -> torch.Tensor:
@@ -124,35 +132,19 @@ class Block(torch.nn.Module):
         return x + self.down.forward(elementwise.silu_mul(self.gate_up.forward(h)))  # gate_up [B, T, 2I]
 
     def _forward_ops(self, x, cache: KVCache, slots, common_start, rope, visible) -> torch.Tensor:
-        """Op by op: Gemma (q/k norms, sliding windows, extra norms) and bf16 activations; for
-        fp32 llama blocks the reference the fused path is tested against."""
+        """Op by op: q/k norms, partial rotary, softcapping, Gemma's norms, and bf16 activations;
+        for fp32 llama blocks the reference the fused path is tested against."""
         cfg = self.cfg
         bsz, t, _ = x.shape
-        h = self._norm("input_layernorm", x)
-        qkv = self.qkv(h)  # [B, T, (Hq + 2 Hkv) D]; every linear returns the activation dtype
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        heads = cfg.num_heads + cfg.num_kv_heads
-        cos, sin = rope["local" if self.sliding else "global"]  # [B, T, 1, D]
-        if cfg.is_gemma:  # q and k normalised separately, then rotated
-            q = rms_norm(qkv[..., :q_size].view(bsz, t, cfg.num_heads, cfg.head_dim), self.q_norm, cfg.rms_norm_eps, True)
-            k = rms_norm(qkv[..., q_size : q_size + kv_size].view(bsz, t, cfg.num_kv_heads, cfg.head_dim),
-                         self.k_norm, cfg.rms_norm_eps, True)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:  # q and k rotated together: one kernel call (apply_rope's operations, the same bits)
-            if qkv.dtype == torch.float32 and qkv.stride(-1) == 1:
-                qk = elementwise.rope(qkv, cos, sin, heads)  # [B, T, Hq+Hkv, D]
-            else:
-                qk = apply_rope(qkv[..., : q_size + kv_size].view(bsz, t, heads, cfg.head_dim), cos, sin)
-            q, k = qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads :]  # [B, T, Hq, D], [B, T, Hkv, D]
-        v = qkv[..., q_size + kv_size :].view(bsz, t, cfg.num_kv_heads, cfg.head_dim)
+        qkv = self.qkv(self._norm("input_layernorm", x))  # [B, T, (Hq + 2 Hkv) D]; every linear returns the activation dtype
+        q, k, v = self._rotated_qkv(qkv, rope["local" if self.sliding else "global"])
         cache.write(self.layer, k.transpose(1, 2), v.transpose(1, 2), slots, common_start)  # cast on copy
         keys, values = cache.layer(self.layer)  # [B, Hkv, capacity, D]
-        attn = attention.attend(q, keys, values, visible["local" if self.sliding else "global"], self.scale)  # [B, T, Hq, D]
-        attn = attn.reshape(bsz, t, q_size)
-        out = self.o(attn)
-        if cfg.is_gemma:
-            out = self._norm("post_attention_layernorm", out)
-            x = x + out
+        attn = attention.attend(q, keys, values, visible["local" if self.sliding else "global"], self.scale,
+                                cfg.attn_logit_softcapping)  # [B, T, Hq, D]
+        out = self.o(attn.reshape(bsz, t, cfg.num_heads * cfg.head_dim))
+        if cfg.is_gemma:  # sandwich norms around each sublayer
+            x = x + self._norm("post_attention_layernorm", out)
             h = self._norm("pre_feedforward_layernorm", x)
         else:
             x = x + out
@@ -167,6 +159,27 @@ class Block(torch.nn.Module):
         if cfg.is_gemma:
             mlp = self._norm("post_feedforward_layernorm", mlp)
         return x + mlp
+
+    def _rotated_qkv(self, qkv: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``qkv`` ``[B, T, (Hq + 2 Hkv) D]`` -> q ``[B, T, Hq, D]``, k and v ``[B, T, Hkv, D]``: q and
+        k normalised per head where the family does (Qwen3, Gemma 3), then rotated."""
+        cfg = self.cfg
+        bsz, t, _ = qkv.shape
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        heads = cfg.num_heads + cfg.num_kv_heads
+        cos, sin = rope  # [B, T, 1, R]
+        v = qkv[..., q_size + kv_size :].view(bsz, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # q and k normalised separately, then rotated
+            q = rms_norm(qkv[..., :q_size].view(bsz, t, cfg.num_heads, cfg.head_dim), self.q_norm, cfg.rms_norm_eps,
+                         cfg.is_gemma)
+            k = rms_norm(qkv[..., q_size : q_size + kv_size].view(bsz, t, cfg.num_kv_heads, cfg.head_dim),
+                         self.k_norm, cfg.rms_norm_eps, cfg.is_gemma)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if qkv.dtype == torch.float32 and qkv.stride(-1) == 1 and cfg.rope.dim == cfg.head_dim:
+            qk = elementwise.rope(qkv, cos, sin, heads)  # [B, T, Hq+Hkv, D]: apply_rope's operations, the same bits
+        else:
+            qk = apply_rope(qkv[..., : q_size + kv_size].view(bsz, t, heads, cfg.head_dim), cos, sin)
+        return qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads :], v
 
 
 class Transformer(torch.nn.Module):
@@ -229,7 +242,7 @@ class Transformer(torch.nn.Module):
 
     def _build_stack(self, blocks):
         """The layers as one C++ call (:mod:`specdec.runtime.stack`) where they allow it, else None."""
-        if not stack.eligible(blocks):
+        if not stack.eligible(blocks) or len({block.sliding for block in blocks}) != 1:  # one visibility per call
             return None
         return stack.build(blocks, self.cfg.rms_norm_eps, blocks[0].scale, self.cfg.num_heads)
 
@@ -286,13 +299,13 @@ class Transformer(torch.nn.Module):
         need = int(positions.max()) + 1
         if need > self._rope_len:
             size = max(need, 2 * self._rope_len, 256)
-            self._rope = {"global": rope_tables(self.cfg.rope_theta, self.cfg.head_dim, size)}
-            if self.cfg.is_gemma:
-                self._rope["local"] = rope_tables(self.cfg.rope_local_theta, self.cfg.head_dim, size)
+            self._rope = {"global": rotary.tables(self.cfg.rope, size)}
+            if self.cfg.rope_local is not None:
+                self._rope["local"] = rotary.tables(self.cfg.rope_local, size)
             self._rope_len = size
         out = {}
         for name, (cos, sin) in self._rope.items():
-            out[name] = (cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))  # [B, T, 1, D]
+            out[name] = (cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))  # [B, T, 1, R], R the rotary dims
         if "local" not in out:
             out["local"] = out["global"]
         return out
@@ -360,7 +373,7 @@ class Transformer(torch.nn.Module):
         stacked = self.use_stack and self.blocks[0].fused
         for a, b, run in self._layer_plan(tuple(hidden_layers)):  # one run unless hidden_layers cut it
             if run is not None and stacked:  # the run's layers in one call: Block._forward_fused's kernels, same bits
-                vis = visible["global"]
+                vis = visible["local" if self.blocks[a].sliding else "global"]  # the run's blocks share it
                 x = run.forward(x, cache.k[a:b], cache.v[a:b], *rope["global"], slots, vis.lo, vis.hi, vis.extra_ptr,
                                 vis.extra)
             else:
@@ -380,8 +393,8 @@ class Transformer(torch.nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     def _per_query_visibility(self, start, positions, tree_mask, t, tree_base=None) -> dict[str, attention.Visibility]:
-        """Each query's visible slots, for "global" and "local" (Gemma's sliding window) layers."""
-        window = self.cfg.sliding_window if self.cfg.is_gemma else None
+        """Each query's visible slots, for "global" and "local" (sliding-window) layers."""
+        window = self.cfg.sliding_window
         if tree_mask is None:
             out = {"global": attention.chain(start, t)}
             out["local"] = attention.chain(start, t, window, positions) if window else out["global"]

@@ -10,6 +10,7 @@
 //   score_j = dot16(q, k_j) * scale       dot16: 16 lane sums a_l += q[16c+l] * k_j[16c+l] over
 //                                         c = 0..D/16-1, then the fixed tree (l, l+8), (l, l+4),
 //                                         (l, l+2), (0, 1)
+//   (softcapped where cap > 0: score_j = softcap(score_j, cap), see softcap below)
 //   m = max_j score_j;  p_j = exp16(score_j - m);  sum = p_0 + p_1 + ... (in j order)
 //   out[d] = (p_0 v_0[d] + p_1 v_1[d] + ... in j order) / sum
 // exp16 is the Cephes expf polynomial with fixed float constants (not libm's exp), so the
@@ -149,12 +150,21 @@ inline void prefetch_rows(const float* kbase, const float* vbase, const int64_t*
   }
 }
 
-int64_t g_prefetch_keys = 16;  // keys ahead of the block being scored; 0: no software prefetch (measurements)
+int64_t g_prefetch_keys = 16;
+
+// cap * tanh(x / cap), with tanh(t) = sign(t) (1 - e) / (1 + e), e = exp16(-2|t|): fixed float
+// operations the torch reference (specdec.runtime.attention.softcap) repeats bit for bit.
+inline float softcap(float x, float cap) {
+  const float t = x / cap;
+  const float e = exp16(-2.0f * std::fabs(t));
+  const float r = (1.0f - e) / (1.0f + e);
+  return (t < 0.0f ? -r : r) * cap;
+}  // keys ahead of the block being scored; 0: no software prefetch (measurements)
 
 // One (row, query, kv head) item: the `rep` query heads sharing the kv head.
 // scores: [rep, n] scratch. q: the first query head's vector; consecutive heads are D apart.
 void attend_item(const float* q, const float* kbase, const float* vbase, float* o, int64_t rep, int64_t D,
-                 int64_t n, const int64_t* slot, float sc, std::vector<float>& scores,
+                 int64_t n, const int64_t* slot, float sc, float cap, std::vector<float>& scores,
                  std::vector<float>& acc, bool wide) {
   scores.resize(rep * n);
   acc.assign(rep * D, 0.0f);
@@ -178,6 +188,8 @@ void attend_item(const float* q, const float* kbase, const float* vbase, float* 
       scores[r * n + j] = dot * sc;
     }
   }
+  if (cap > 0.0f)  // attention-logit softcapping (Gemma 2): cap * tanh(score / cap)
+    for (int64_t j = 0; j < rep * n; ++j) scores[j] = softcap(scores[j], cap);
   std::vector<float> sum(rep, 0.0f);
   for (int64_t r = 0; r < rep; ++r) {
     float* s = scores.data() + r * n;
@@ -215,9 +227,10 @@ void attend_item(const float* q, const float* kbase, const float* vbase, float* 
 }  // namespace
 
 // q [B, T, Hq, D] fp32 contiguous in (Hq, D); k, v [B, Hkv, S, D] fp32, contiguous in (S, D);
-// lo, hi [B*T] int64; extra_ptr [B*T+1] int64; extra [nnz] int64. Returns [B, T, Hq, D].
+// lo, hi [B*T] int64; extra_ptr [B*T+1] int64; extra [nnz] int64; cap > 0: softcapped scores.
+// Returns [B, T, Hq, D].
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lo, torch::Tensor hi,
-                     torch::Tensor extra_ptr, torch::Tensor extra, double scale) {
+                     torch::Tensor extra_ptr, torch::Tensor extra, double scale, double cap = 0.0) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat && q.stride(3) == 1 && q.stride(2) == q.size(3),
               "q must be [B, T, Hq, D] fp32, contiguous in (Hq, D)");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
@@ -257,7 +270,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
       for (int64_t j = LO[i]; j < HI[i]; ++j) slots.push_back(j);
       for (int64_t e = EP[i]; e < EP[i + 1]; ++e) slots.push_back(EX[e]);
       attend_item(Q + b * qb + t * qt + h * rep * D, K + b * kb + h * kh, V + b * vb + h * vh, O + (i * Hq + h * rep) * D,
-                  rep, D, static_cast<int64_t>(slots.size()), slots.data(), sc, scores, acc, wide);
+                  rep, D, static_cast<int64_t>(slots.size()), slots.data(), sc, static_cast<float>(cap), scores, acc, wide);
     }
   });
   return out;
@@ -313,7 +326,9 @@ torch::Tensor attend_block(torch::Tensor qkv, torch::Tensor cos, torch::Tensor s
 
 #ifndef SPECDEC_STACK  // kernels/stack.cpp includes this file and defines its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "per-query attention over listed visible slots (batch invariant)");
+  m.def("attend", &attend, "per-query attention over listed visible slots (batch invariant)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lo"), py::arg("hi"), py::arg("extra_ptr"), py::arg("extra"),
+        py::arg("scale"), py::arg("cap") = 0.0);
   m.def("attend_block", &attend_block, "rope, cache write and attention of a block in one call (batch invariant)");
   m.def("force_portable", [](bool on) { g_portable = on; }, "tests: plain C++ loops instead of AVX-512");
   m.def("set_prefetch_keys", [](int64_t keys) { g_prefetch_keys = keys; }, "measurements: keys prefetched ahead (0: none)");

@@ -1,0 +1,73 @@
+"""What a GGUF file says about its model, checked before it is converted.
+
+specdec converts a GGUF file through transformers' GGUF reader (weights and tokenizer), whose
+config mapping drops several things llama.cpp stores: rope scaling (``{arch}.rope.scaling.*``),
+per-frequency rope factors (the ``rope_freqs`` tensor of Llama 3.1+, LongRoPE's
+``rope_factors_long``/``rope_factors_short`` of Phi-3.5/Phi-4-mini), a partial rotary dimension
+(``{arch}.rope.dimension_count`` below the head size), Gemma 2's softcapping values and its query
+scale. A model converted without them would load and compute something else. :func:`check`
+refuses such a file with one line naming what is not read, before anything is written to the
+cache; the model's Hugging Face directory (whose config specdec reads in full) is the way to run it.
+
+:func:`tensor_types` counts the file's weight matrices by storage type, for the precision notice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from specdec.runtime.config import UnsupportedModel
+
+# llama.cpp's architecture names that specdec converts (Mistral files are "llama").
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+ROPE_TENSORS = {"rope_freqs.weight": "per-frequency rope factors (Llama 3.1+ rope scaling)",
+                "rope_factors_long.weight": "LongRoPE factors", "rope_factors_short.weight": "LongRoPE factors"}
+# Gemma 2's values that transformers' reader assumes (its config defaults)
+GEMMA2_ASSUMED = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+
+
+def _field(reader, name: str):
+    field = reader.fields.get(name)
+    return None if field is None else field.contents()
+
+
+def check(reader, path: Path) -> None:
+    """Raise :class:`UnsupportedModel` where converting ``path`` (opened as ``reader``) would
+    drop something its model needs."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModel(f"{path.name}: GGUF architecture {arch!r} is not supported "
+                               f"(specdec converts {', '.join(ARCHITECTURES)})")
+    refuse = lambda what: UnsupportedModel(  # noqa: E731
+        f"{path.name}: {what} in this GGUF file are not read by specdec's GGUF conversion yet; "
+        f"load the model's Hugging Face directory instead (--target DIR)")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise refuse(f"rope scaling {scaling!r} settings")
+    names = {t.name for t in reader.tensors}
+    for name, what in ROPE_TENSORS.items():
+        if name in names:
+            raise refuse(what)
+    heads = _field(reader, f"{arch}.attention.head_count")
+    head_dim = _field(reader, f"{arch}.attention.key_length") or (
+        _field(reader, f"{arch}.embedding_length") // heads if heads else None)
+    rotary = _field(reader, f"{arch}.rope.dimension_count")
+    if rotary is not None and head_dim is not None and rotary != head_dim:
+        raise refuse(f"a partial rotary dimension ({rotary} of {head_dim})")
+    if arch == "gemma2":
+        _check_gemma2(reader, head_dim, refuse)
+
+
+def _check_gemma2(reader, head_dim, refuse) -> None:
+    for key, assumed in GEMMA2_ASSUMED.items():
+        value = _field(reader, f"gemma2.{key}")
+        if value is not None and abs(float(value) - assumed) > 1e-6:
+            raise refuse(f"a {key} of {value} (transformers' reader assumes {assumed})")
+    if head_dim != 256:  # transformers assumes query_pre_attn_scalar = 256; Gemma 2 27B scales by 144
+        raise refuse(f"Gemma 2's query scale for a head size of {head_dim}")
+
+
+def tensor_types(reader) -> Counter:
+    """Weight matrices (2-D tensors) by storage type name, e.g. ``{"Q4_K": 169, "Q6_K": 29}``."""
+    return Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)

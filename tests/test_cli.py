@@ -150,6 +150,20 @@ def test_tiny_temperature_is_greedy_and_json_is_valid(capsys, model_dir):
     assert math.isfinite(tiny["config"]["temperature"])
 
 
+def test_the_precision_a_model_runs_at_is_named_and_lowering_is_never_silent(capsys, model_dir):
+    """The tiny model's weights are F32: float32 runs them as stored and says nothing; int8 says in
+    one stderr line what it lowers; --json names the precision either way."""
+    base = ["generate", "--target", model_dir, "--prompt", "abc", "--max-new-tokens", "2", "--json", "--dtype"]
+    code, out, err = _run(capsys, *base, "float32")
+    assert code == 0 and json.loads(out)["config"]["precision"] == {"target": "float32: the stored weights exactly (F32)",
+                                                                      "draft": None}
+    assert "re-quantized" not in err
+    code, out, err = _run(capsys, *base, "int8")
+    assert code == 0 and json.loads(out)["config"]["precision"]["target"] == "int8: F32 re-quantized to 8 bits (int8)"
+    assert [line for line in err.splitlines() if "re-quantized" in line] == [
+        "specdec: model runs at int8: F32 re-quantized to 8 bits (int8) (--dtype float32 multiplies the stored weights)"]
+
+
 def test_ctrl_c_keeps_the_streamed_text_and_exits_130(capsys, model_dir, monkeypatch):
     from specdec.api import TextGenerator
 

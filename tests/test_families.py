@@ -164,3 +164,63 @@ def test_qwen2_sliding_layers_follow_use_sliding_window():
     on = ModelConfig.from_hf(transformers.Qwen2Config(**common, use_sliding_window=True, max_window_layers=2))
     assert off.sliding_window is None and not any(off.layer_is_sliding)
     assert on.sliding_window == 16 and on.layer_is_sliding == (False, False, True, True)
+
+
+def _gguf(path, arch: str, fields: dict, tensors: tuple[str, ...] = ()):
+    """A GGUF file with ``fields`` (``{key: value}``; ints, floats, strings) and tiny tensors."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in fields.items():
+        add = {int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}[type(value)]
+        add(key, value)
+    for name in tensors or ("token_embd.weight",):
+        writer.add_tensor(name, np.ones((4, 16) if name == "token_embd.weight" else (8,), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+SHAPE = {"attention.head_count": 4, "embedding_length": 64}
+
+
+@pytest.mark.parametrize("arch, fields, tensors, message", [
+    ("falcon", {}, (), "GGUF architecture 'falcon' is not supported"),
+    ("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, (), "rope scaling 'yarn'"),
+    ("llama", {}, ("token_embd.weight", "rope_freqs.weight"), "Llama 3.1\\+ rope scaling"),
+    ("phi3", {}, ("token_embd.weight", "rope_factors_long.weight", "rope_factors_short.weight"), "LongRoPE factors"),
+    ("phi3", {"phi3.rope.dimension_count": 8}, (), "partial rotary dimension \\(8 of 16\\)"),
+    ("gemma2", {"gemma2.attn_logit_softcapping": 30.0, "gemma2.attention.key_length": 256}, (), "attn_logit_softcapping"),
+    ("gemma2", {"gemma2.attention.key_length": 128}, (), "query scale"),
+])
+def test_a_gguf_whose_conversion_would_drop_something_is_refused_before_the_cache(
+        tmp_path, monkeypatch, arch, fields, tensors, message):
+    """transformers' GGUF reader drops these settings; converting would load a different model."""
+    from conftest import fresh_home
+    from specdec.cli import main
+    from specdec.models import loading
+
+    home = fresh_home(tmp_path, monkeypatch)
+    shape = {f"{arch}.{key}": value for key, value in SHAPE.items()}
+    path = _gguf(tmp_path / "m.gguf", arch, {**shape, **fields}, tensors)
+    with pytest.raises(UnsupportedModel, match=message):
+        loading.load(str(path), "float32")
+    assert main(["generate", "--target", str(path), "--prompt", "hi", "--proposer", "none"]) == 2
+    assert not (home / "converted").exists() and not (home / "quantized").exists()
+
+
+@pytest.mark.parametrize("dtype, expected, lowered", [
+    ("q4k", "q4k: Q4_K kept exactly; Q6_K, Q8_0 re-quantized to 4 bits (q4k)", True),
+    ("int8", "int8: Q4_K, Q6_K, Q8_0 re-quantized to 8 bits (int8)", True),
+    ("float32", "float32: the stored weights exactly (Q4_K, Q6_K, Q8_0)", False),
+])
+def test_the_precision_of_a_gguf_file_at_each_dtype(dtype, expected, lowered):
+    from collections import Counter
+
+    from specdec.models import gguf_meta
+
+    assert gguf_meta.precision(Counter({"Q4_K": 169, "Q6_K": 29, "Q8_0": 1}), dtype) == (expected, lowered)
+    assert gguf_meta.precision(Counter({"Q4_K": 4}), "q4k") == ("q4k: Q4_K kept exactly", False)

@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         out["config"] = {"target": gen.target.name, "draft": gen.draft.name if gen.draft else None,
                          "proposer": spec.method if spec.speculates else None, "k": spec.k, "dtype": args.dtype,
                          "temperature": args.temperature,
-                         "seed": args.seed}
+                         "seed": args.seed,
+                         "precision": {"target": gen.target.precision,
+                                       "draft": gen.draft.precision if gen.draft else None}}
         print(json.dumps(out))
         return 1 if failed else 0
     if stream is None:

@@ -19,6 +19,20 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
+def _precision(spec) -> dict:
+    """The installed file's weight matrices by storage type, and what the default dtype makes of them."""
+    if not spec.installed():
+        return {}
+    from gguf import GGUFReader
+
+    from specdec.models import gguf_meta
+    from specdec.runtime.linear import DEFAULT_DTYPE
+
+    types = gguf_meta.tensor_types(GGUFReader(str(spec.gguf_path)))
+    return {"stored": ", ".join(f"{t} x{n}" for t, n in sorted(types.items())),
+            "runs_at": gguf_meta.precision(types, DEFAULT_DTYPE)[0]}
+
+
 def run(args: argparse.Namespace) -> int:
     from specdec.models import loading, registry
 
@@ -40,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         status = "ready" if loading.is_converted(converted) else ("assembled" if spec.installed() else "not installed")
         aliases = [a for a, n in registry.ALIASES.items() if n == spec.name]
         rows.append({"name": spec.name, "aliases": aliases, "role": spec.role, "status": status,
-                     "description": spec.description, "path": str(converted if status == "ready" else spec.gguf_path)})
+                     "description": spec.description, "path": str(converted if status == "ready" else spec.gguf_path),
+                     **_precision(spec)})
     from specdec.models import heads
 
     for sha256, file_name in heads.SHIPPED.items():
@@ -57,5 +72,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'NAME':<{width}}  {'ROLE':<14}  {'STATUS':<13}  DESCRIPTION")
     for r in rows:
         print(f"{r['name']:<{width}}  {r['role']:<14}  {r['status']:<13}  {r['description']}")
+        if r.get("runs_at"):
+            print(f"{'':<{width}}  stored as {r['stored']}; runs at {r['runs_at']}")
     print(f"\nmodels live in {registry.home()} (set SPECDEC_HOME to move them); install with `specdec models install`")
     return 0

@@ -71,3 +71,29 @@ def _check_gemma2(reader, head_dim, refuse) -> None:
 def tensor_types(reader) -> Counter:
     """Weight matrices (2-D tensors) by storage type name, e.g. ``{"Q4_K": 169, "Q6_K": 29}``."""
     return Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)
+
+
+# What each runtime dtype does to a file's weight matrices: the storage types it keeps exactly,
+# and how it lowers the others. Float32 holds every dequantized value exactly.
+KEPT = {"q4k": {"Q4_K"}, "q4": set(), "int8": set(), "bfloat16": {"BF16"}, "float32": None}
+LOWERED_TO = {"q4k": "4 bits (q4k)", "q4": "4 bits (q4)", "int8": "8 bits (int8)", "bfloat16": "bf16"}
+
+
+def precision(types: Counter, dtype: str) -> tuple[str, bool]:
+    """``(description, lowered)``: what the runtime ``dtype`` multiplies for a file whose weight
+    matrices have storage ``types``, e.g. ``("q4k: Q4_K kept exactly; Q6_K re-quantized to 4 bits
+    (q4k)", True)``. Q4_K under q4k is kept where its blocks reproduce the file's weights bit for
+    bit (:func:`specdec.runtime.q4.quantize_q4k`); the embedding lookup always reads the exact
+    dequantized rows."""
+    kept = KEPT[dtype]
+    if kept is None:
+        return f"{dtype}: the stored weights exactly ({_names(types)})", False
+    exact = sorted(t for t in types if t in kept)
+    lowered = sorted(t for t in types if t not in kept)
+    parts = ([f"{', '.join(exact)} kept exactly"] if exact else []) + (
+        [f"{', '.join(lowered)} re-quantized to {LOWERED_TO[dtype]}"] if lowered else [])
+    return f"{dtype}: {'; '.join(parts)}", bool(lowered)
+
+
+def _names(types: Counter) -> str:
+    return ", ".join(sorted(types)) or "no weight matrices"

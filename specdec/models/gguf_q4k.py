@@ -19,10 +19,10 @@ import torch
 
 from specdec.runtime.q4 import Q4KGrid
 
-# Hugging Face parameter name -> GGUF tensor name, for the llama-family blocks specdec runs.
+# Hugging Face parameter name -> GGUF tensor name, for the blocks specdec runs.
 _BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down"}
+          "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # the last two: Phi-3's fused
 _TOP = {"lm_head.weight": "output.weight", "model.embed_tokens.weight": "token_embd.weight"}
 _BLOCK_BYTES = 144  # 2 + 2 + 12 + 128
 

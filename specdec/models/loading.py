@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ class LoadedModel:
     tokenizer: object  # a transformers tokenizer
     source_dir: Path
     load_seconds: float
+    precision: str = ""  # what the runtime multiplies, e.g. "q4k: Q4_K kept exactly; Q6_K re-quantized to 4 bits (q4k)"
 
 
 def _converted_dir(key: str) -> Path:
@@ -198,6 +200,15 @@ class LazyWeights(Mapping):
     def __iter__(self):
         return iter(self._where)
 
+    def matrix_types(self) -> Counter:
+        """Weight matrices (2-D tensors) by stored dtype, e.g. ``{"BF16": 197}``."""
+        types = Counter()
+        for handle, key in self._where.values():
+            view = handle.get_slice(key)
+            if len(view.get_shape()) == 2:
+                types[view.get_dtype()] += 1
+        return types
+
     def __len__(self) -> int:
         return len(self._where)
 
@@ -280,8 +291,20 @@ def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False
         model, tokenizer = _load_directory(directory, dtype, gguf)
     spec = registry.resolve(name_or_path)
     name = spec.name if spec else str(name_or_path)
+    precision, lowered = gguf_meta.precision(_stored_types(directory, gguf), dtype)
+    if lowered:  # never silently: one line on what is lowered, and how to run the file as stored
+        cache.notice(f"{Path(name).name} runs at {precision} (--dtype float32 multiplies the stored weights)")
     release_freed_memory()
-    return LoadedModel(name, model, tokenizer, directory, time.perf_counter() - start)
+    return LoadedModel(name, model, tokenizer, directory, time.perf_counter() - start, precision)
+
+
+def _stored_types(directory: Path, gguf: Path | None) -> Counter:
+    """The source's weight matrices by storage type: the GGUF file's, else the directory's."""
+    if gguf is not None:
+        from gguf import GGUFReader
+
+        return gguf_meta.tensor_types(GGUFReader(str(gguf)))
+    return LazyWeights(directory).matrix_types()
 
 
 def release_freed_memory() -> None:

@@ -68,6 +68,14 @@ def _check_gemma2(reader, head_dim, refuse) -> None:
         raise refuse(f"Gemma 2's query scale for a head size of {head_dim}")
 
 
+def sliding_window(path: Path) -> int | None:
+    """The attention window ``path`` stores (``{arch}.attention.sliding_window``), or None."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    return _field(reader, f"{_field(reader, 'general.architecture')}.attention.sliding_window")
+
+
 def tensor_types(reader) -> Counter:
     """Weight matrices (2-D tensors) by storage type name, e.g. ``{"Q4_K": 169, "Q6_K": 29}``."""
     return Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)

@@ -156,6 +156,9 @@ def _convert(gguf: Path, tmp: Path, out: Path | None = None) -> Path:
         state.pop("lm_head.weight", None)
     save_file(state, str(tmp / "model.safetensors"))
     hf.config.__dict__.pop("quantization_config", None)  # the weights are now plain fp32
+    if (getattr(hf.config, "sliding_window", None) is not None and getattr(hf.config, "layer_types", None) is None
+            and gguf_meta.sliding_window(gguf) is None):
+        hf.config.sliding_window = None  # a window the file does not store is a config default (Mistral's 4096), not the model's
     hf.config.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
     return tmp

@@ -19,7 +19,7 @@ from specdec.models import heads, loading
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.sampling import SamplingParams
 from specdec.session import Session, TextResult
-from specdec.speculation import SpeculationConfig
+from specdec.speculation import AUTO, SpeculationConfig, auto_draft
 
 # A draft model computes logits only for this many frequent ids (FR-Spec; heads.frequent_ids):
 # on the 0.5B draft, its output layer shrinks from 151,936 to 65,536 rows (~50 MB fewer bytes per
@@ -48,6 +48,8 @@ class TextGenerator:
              head: str | Path | None = "auto"):
         """``head``: a draft head file, "auto" (the head shipped for the target, if any) or None;
         it is read only when a proposer uses it."""
+        if draft == AUTO:
+            draft = auto_draft(target)
         t = loading.load(target, dtype)
         d = loading.load(draft, draft_dtype or dtype) if draft else None
         if d is not None:

@@ -10,7 +10,8 @@ This module is the one place where these decisions are made (grep for them here)
   chain stops (:data:`HEAD_MIN_SCORE`);
 * the KV capacity a request needs (:meth:`SpeculationConfig.capacity`, through
   :func:`specdec.engine.kv_capacity`);
-* how each method's proposer is built (:data:`METHODS`).
+* how each method's proposer is built (:data:`METHODS`);
+* which installed model drafts for a target under ``--draft auto`` (:func:`auto_draft`).
 
 The CLI (generate, serve, profile, verify), the API, the bench and the server build a config here,
 validated once, and hand it on; nothing downstream decides again. ``"none"`` is plain decoding: a
@@ -23,6 +24,7 @@ worked example).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Protocol
 
 from specdec.adaptive import K_MAX
@@ -62,6 +64,38 @@ EXIT_FRACTION = 4  # the early exit drafts with the first 1/EXIT_FRACTION of the
 HEAD_MIN_SCORE = 0.2
 
 Builder = Callable[[Sources, "SpeculationConfig", int], object]
+AUTO = "auto"  # --draft auto: the smallest installed model with the target's tokenizer (auto_draft)
+
+
+def auto_draft(target: str) -> str | None:
+    """The draft for ``target`` under ``--draft auto``: the smallest installed or converted model
+    that is smaller than the target and has its tokenizer (the same token -> id map and special
+    tokens, :func:`specdec.models.catalog.tokenizer_fingerprint`), or None. Says on stderr in one
+    line which model was chosen and why, or why none was. Whether such a draft pays is adaptive
+    k's to decide each step (it drafts k = 0 where it does not)."""
+    from specdec.cache import notice
+    from specdec.models import catalog, loading, registry
+
+    directory = loading.source_dir(target, install=True)
+    spec = registry.resolve(target)
+    target = spec.name if spec else target
+    mine, size = catalog.tokenizer_fingerprint(directory), catalog.parameters(directory)
+    others = [m for m in catalog.installed() if m.directory.resolve() != directory.resolve()]
+    same = sorted((m for m in others if catalog.tokenizer_fingerprint(m.directory) == mine), key=lambda m: m.parameters)
+    smaller = [m for m in same if m.parameters < size]
+    if not smaller:
+        why = (f"{len(same)} with its tokenizer, none smaller" if same
+               else f"none of the {len(others)} other installed models has its tokenizer")
+        notice(f"--draft auto: no draft for {Path(target).name} (tokenizer {mine}, {_count(size)} weights): {why}")
+        return None
+    pick = smaller[0]
+    notice(f"--draft auto: {Path(pick.name).name} ({_count(pick.parameters)} weights) drafts for {Path(target).name} "
+           f"({_count(size)}): the smallest of {len(smaller)} installed models with its tokenizer ({mine})")
+    return pick.name
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
 
 
 @dataclass(frozen=True)

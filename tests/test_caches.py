@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,7 @@ def _fake_converter(monkeypatch, calls: list[Path]):
 
     monkeypatch.setattr(loading, "_convert", convert)
     monkeypatch.setattr(loading, "_check_gguf", lambda gguf: None)  # a fake file has no header to read
+    monkeypatch.setattr(loading, "_stored_types", lambda directory, gguf: Counter())  # ... nor tensors to count
 
 
 @pytest.mark.parametrize("damage", ["truncate-weights", "empty-weights", "bad-config", "no-marker", "bad-marker"])

@@ -66,10 +66,11 @@ def speculation_of(args: argparse.Namespace):
     from specdec.models import heads
     from specdec.speculation import METHODS, SpeculationConfig
 
+    if args.draft is not None and args.proposer not in (None, "draft", "hybrid"):
+        raise UsageError(f"--draft has no effect with --proposer {args.proposer}")
+    resolve_auto_draft(args)
     if args.proposer == "draft" and not args.draft:
         raise UsageError("--proposer draft needs --draft NAME_OR_PATH")
-    if args.draft and args.proposer not in (None, "draft", "hybrid"):
-        raise UsageError(f"--draft has no effect with --proposer {args.proposer}")
     has_head = args.head is not None or heads.shipped(args.target) is not None
     if args.proposer is not None and METHODS[args.proposer].needs_head and not has_head:
         raise UsageError(f"--proposer {args.proposer}: {args.target} has no shipped draft head; train one with "
@@ -93,6 +94,18 @@ def speculation_of(args: argparse.Namespace):
         if unused:
             raise UsageError(f"{flag} has no effect without {needs}")
     return spec if args.k is None else spec.with_k(args.k)
+
+def resolve_auto_draft(args: argparse.Namespace) -> None:
+    """``--draft auto``: replaced by the model :func:`specdec.speculation.auto_draft` finds (None
+    when there is none, a usage error where the proposer needs a draft model)."""
+    from specdec.speculation import AUTO, auto_draft
+
+    if args.draft != AUTO:
+        return
+    args.draft = auto_draft(args.target)
+    if args.draft is None and args.proposer == "draft":
+        raise UsageError("--proposer draft --draft auto: no installed model can draft for this target (see above)")
+
 
 def read_prompts(prompts: list[str]) -> list[str]:
     """Prompt texts, '-' read from stdin; both must be valid UTF-8."""
@@ -119,7 +132,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="model name or path to a .gguf file / HF directory (default: %(default)s)")
     p.add_argument("--draft", default=None,
-                   help="draft model name or path (the default proposer is then hybrid: lookup, else this model)")
+                   help="draft model name or path (the default proposer is then hybrid: lookup, else this model); "
+                   "'auto': the smallest installed model with the target's tokenizer, if any (said on stderr)")
     p.add_argument("--proposer", choices=list(METHODS), default=None,
                    help="where drafts come from: the target's draft head, a draft model, n-gram prompt "
                    "lookup, the target's own first layers, hybrid (lookup when the text repeats itself: the suffix "

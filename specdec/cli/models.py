@@ -56,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"name": spec.name, "aliases": aliases, "role": spec.role, "status": status,
                      "description": spec.description, "path": str(converted if status == "ready" else spec.gguf_path),
                      **_precision(spec)})
+        if status == "ready":  # what --draft auto compares: models with equal fingerprints can draft for each other
+            from specdec.models import catalog
+
+            rows[-1]["tokenizer"] = catalog.tokenizer_fingerprint(converted)
     from specdec.models import heads
 
     for sha256, file_name in heads.SHIPPED.items():
@@ -74,5 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['name']:<{width}}  {r['role']:<14}  {r['status']:<13}  {r['description']}")
         if r.get("runs_at"):
             print(f"{'':<{width}}  stored as {r['stored']}; runs at {r['runs_at']}")
+        if r.get("tokenizer"):
+            print(f"{'':<{width}}  tokenizer {r['tokenizer']} (--draft auto pairs models whose tokenizers match)")
     print(f"\nmodels live in {registry.home()} (set SPECDEC_HOME to move them); install with `specdec models install`")
     return 0

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from specdec.adaptive import K_MAX
-from specdec.cli.common import int_at_least, read_prompts
+from specdec.cli.common import int_at_least, read_prompts, resolve_auto_draft
 from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
 from specdec.speculation import METHODS
 
@@ -22,7 +22,8 @@ def add(sub: argparse._SubParsersAction) -> None:
         "maximises expected tokens per second, and the predicted vs measured speed-up.",
     )
     p.add_argument("--target", default=registry.DEFAULT_TARGET)
-    p.add_argument("--draft", default=None)
+    p.add_argument("--draft", default=None, help="draft model name or path, or 'auto' (the smallest installed model "
+                   "with the target's tokenizer)")
     p.add_argument("--proposer", choices=[m for m in METHODS if m != "none"], default=None,
                    help="default: draft if --draft is given, else ngram")
     p.add_argument("--head", default=None, metavar="PATH",
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from specdec.bench.prompts import LOOKUP_METHODS, verify_prompts
     from specdec.sampling import SamplingParams
 
+    resolve_auto_draft(args)
     proposer = args.proposer or ("draft" if args.draft else "ngram")
     params = SamplingParams(temperature=args.temperature)  # validated before loading
     builtin = verify_prompts(lookup=proposer in LOOKUP_METHODS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdec.cli.common import UsageError, int_at_least, k_value, read_prompts, seed_value
+from specdec.cli.common import UsageError, int_at_least, k_value, read_prompts, resolve_auto_draft, seed_value
 from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
 from specdec.speculation import METHODS
 
@@ -27,7 +27,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         "this run could not have caught a wrong verifier, e.g. the proposer hardly drafted); 2 bad input.",
     )
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="(default: %(default)s)")
-    p.add_argument("--draft", default=None, help="draft model name or path (implies --proposer draft)")
+    p.add_argument("--draft", default=None, help="draft model name or path, or 'auto' (implies --proposer draft)")
     p.add_argument("--proposer", choices=list(METHODS), default=None, help="the proposer to check")
     p.add_argument("--k", type=k_value, default=4, help="draft tokens per step or 'auto' (default: %(default)s)")
     p.add_argument("--ngram-min", type=int_at_least(1), default=2)
@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from specdec.exactness import format_report, verify_deployment
     from specdec.sampling import SamplingParams
 
+    resolve_auto_draft(args)
     proposer = args.proposer or ("draft" if args.draft else None)
     if proposer is None:
         raise UsageError("choose what to verify: --draft NAME_OR_PATH or --proposer")

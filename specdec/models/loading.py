@@ -216,7 +216,7 @@ class LazyWeights(Mapping):
         return len(self._where)
 
 
-def _content_key(directory: Path, *extra: str) -> str:
+def content_key(directory: Path, *extra: str) -> str:
     """Key of everything a derived cache of ``directory`` depends on: its files and ``extra``."""
     return cache.fingerprint([f for f in directory.iterdir() if f.is_file() and f.name != DONE], *extra)
 
@@ -228,12 +228,12 @@ def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "La
     from safetensors.torch import load_file, save_file
 
     path_key = hashlib.sha256(f"{directory.resolve()}:{dtype}".encode()).hexdigest()[:8]
-    target = registry.home() / "quantized" / f"{path_key}-{_content_key(directory, QUANT_FORMAT[dtype])}.safetensors"
+    target = registry.home() / "quantized" / f"{path_key}-{content_key(directory, QUANT_FORMAT[dtype])}.safetensors"
     built: list[Transformer] = []
 
     def build(tmp: Path) -> None:
         cache.notice(f"quantizing {directory.name} to {dtype} once; cached at {target}")
-        act_absmax = cached_calibration(directory, _content_key(directory), cfg, weights, tokenizer) if dtype == "int8" else None
+        act_absmax = cached_calibration(directory, content_key(directory), cfg, weights, tokenizer) if dtype == "int8" else None
         grids = Q4KTensors(gguf) if dtype == "q4k" and gguf is not None else None
         model = Transformer(cfg, weights, dtype, act_absmax, grids=grids)
         save_file(model.quantized_state, str(tmp))

@@ -1,0 +1,72 @@
+"""``--draft auto``: the smallest installed model with the target's tokenizer, said on stderr.
+
+The catalog is ``$SPECDEC_HOME/converted`` (complete conversions); the tests put tiny models
+there: a smaller model with the target's tokenizer, a still smaller one whose special tokens
+differ (so its tokenizer is another), and check which is chosen, and that the smallest model
+gets none with the reason given.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import fresh_home
+from specdec.cli import main
+from specdec.models import catalog, loading
+from specdec.speculation import auto_draft
+from tiny_models import char_tokenizer, hf_tiny, save_hf_dir
+
+
+def _installed(home, name, hf, tokenizer=None):
+    """A complete conversion named ``name`` in the catalog."""
+    directory = home / "converted" / name
+    hf.save_pretrained(directory)
+    (tokenizer or char_tokenizer()).save_pretrained(directory)
+    loading._write_done(directory, directory / "none.gguf")
+    return directory
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    home = fresh_home(tmp_path, monkeypatch)
+    _installed(home, "same-1layer", hf_tiny("qwen2", layers=1, seed=4))
+    other = char_tokenizer()
+    other.eos_token = "?"  # the same token -> id map, another end-of-sequence token: another tokenizer
+    _installed(home, "other-tiny", hf_tiny("qwen2", layers=1, hidden=32, seed=5), other)
+    return home
+
+
+def test_the_smallest_model_with_the_target_tokenizer_is_chosen(home, tmp_path, capsys):
+    target = save_hf_dir(hf_tiny("qwen2", layers=3), tmp_path / "target")
+    capsys.readouterr()
+    picked = auto_draft(str(target))
+    assert picked == str(home / "converted" / "same-1layer")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--draft auto: same-1layer" in err and "the smallest of 1" in err
+    fingerprints = {d.name: catalog.tokenizer_fingerprint(d) for d in (home / "converted").iterdir() if d.is_dir()}
+    assert fingerprints["same-1layer"] == catalog.tokenizer_fingerprint(target) != fingerprints["other-tiny"]
+
+
+def test_no_draft_when_no_smaller_model_shares_the_tokenizer(home, tmp_path, capsys):
+    assert auto_draft(str(home / "converted" / "same-1layer")) is None  # the catalog's smallest of its tokenizer
+    assert "no draft for same-1layer" in capsys.readouterr().err
+    assert auto_draft(str(home / "converted" / "other-tiny")) is None
+    assert "none of the 1 other installed models has its tokenizer" in capsys.readouterr().err
+
+
+def test_generate_with_draft_auto_is_plain_greedy_with_the_chosen_draft(home, tmp_path, capsys):
+    target = str(save_hf_dir(hf_tiny("qwen2", layers=3), tmp_path / "target"))
+    base = ["generate", "--target", target, "--prompt", "abcabc", "--max-new-tokens", "16", "--json", "--dtype", "int8"]
+    assert main(base + ["--proposer", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--draft", "auto"]) == 0
+    captured = capsys.readouterr()
+    spec = json.loads(captured.out)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["config"]["draft"] == str(home / "converted" / "same-1layer")
+    assert "else the draft model" in captured.err  # the hybrid over the found draft
+    small = str(home / "converted" / "other-tiny")
+    assert main(["generate", "--target", small, "--prompt", "a", "--draft", "auto", "--proposer", "draft"]) == 2
+    assert "no installed model can draft" in capsys.readouterr().err

@@ -51,7 +51,7 @@ class TextGenerator:
         if draft == AUTO:
             draft = auto_draft(target)
         t = loading.load(target, dtype)
-        d = loading.load(draft, draft_dtype or dtype) if draft else None
+        d = loading.load(draft, draft_dtype or dtype, role="draft") if draft else None
         if d is not None:
             check_compatible(t, d)
         path = heads.shipped(target) if head == "auto" else head  # matched by the GGUF's sha256, not its name

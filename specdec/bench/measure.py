@@ -38,7 +38,7 @@ from specdec.bench.hf import hf_generate, load_hf
 from specdec.bench.prompts import CODE_PROMPTS
 from specdec.engine import generate
 from specdec.models import registry
-from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
 from specdec.sampling import SamplingParams
 
 
@@ -401,7 +401,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="what", required=True)
     rt = sub.add_parser("runtime", help="our plain decoding vs transformers generate(), forward scaling")
     rt.add_argument("--target", default=registry.DEFAULT_TARGET)
-    rt.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPES))
+    rt.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPE_CHOICES))
     rt.add_argument("--tokens", type=int, default=64)
     rt.add_argument("--runs", type=int, default=3)
     rt.add_argument("--out", default=None, help="write JSON results here")

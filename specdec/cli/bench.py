@@ -6,7 +6,7 @@ import argparse
 
 from specdec.adaptive import K_MAX
 from specdec.cli.common import int_at_least
-from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +35,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                         "text no user receives; 'editing' always stops). Default: answers end where the model ends its turn")
     p.add_argument("--target", default=registry.DEFAULT_TARGET)
     p.add_argument("--draft", default=registry.DEFAULT_DRAFT)
-    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="(default: %(default)s, as generate)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=DEFAULT_DTYPE, help="(default: %(default)s, as generate)")
     p.add_argument("--head", default=None, metavar="PATH",
                    help="draft head for the head methods (default: the one shipped for --target)")
     p.add_argument("--k", type=int, default=4, help="k of the fixed-k 'draft' and 'head' methods (default: %(default)s)")

@@ -7,7 +7,7 @@ import sys
 
 from specdec.adaptive import K_MAX
 from specdec.engine import MAX_SEED
-from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
 from specdec.speculation import METHODS
 
 
@@ -154,9 +154,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-layer", type=int_at_least(1), default=None,
                    help="early-exit (or hybrid without --draft) draft depth (default: a quarter of the layers)")
     p.add_argument("--seed", type=seed_value, default=0, help=f"random seed in [0, {MAX_SEED}] (default: %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=DEFAULT_DTYPE,
                    help="weights/compute dtype (default: %(default)s, the fastest here; see docs/BENCHMARKS.md)")
-    p.add_argument("--draft-dtype", choices=DTYPES, default=None, help="with --draft (default: --dtype)")
+    p.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default=None, help="with --draft (default: --dtype)")
 
 class UsageError(ValueError):
     """Options that contradict each other or would be silently ignored."""

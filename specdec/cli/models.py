@@ -25,12 +25,12 @@ def _precision(spec) -> dict:
         return {}
     from gguf import GGUFReader
 
-    from specdec.models import gguf_meta
-    from specdec.runtime.linear import DEFAULT_DTYPE
+    from specdec.models import gguf_meta, loading
 
     types = gguf_meta.tensor_types(GGUFReader(str(spec.gguf_path)))
+    role = "draft" if spec.role == "default draft" else "target"
     return {"stored": ", ".join(f"{t} x{n}" for t, n in sorted(types.items())),
-            "runs_at": gguf_meta.precision(types, DEFAULT_DTYPE)[0]}
+            "runs_at": gguf_meta.precision(types, loading.resolve_dtype("auto", spec.gguf_path, role))[0]}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import json
 
 from specdec.adaptive import K_MAX
 from specdec.cli.common import int_at_least, read_prompts, resolve_auto_draft
-from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
 from specdec.speculation import METHODS
 
 
@@ -33,7 +33,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--k-max", type=int_at_least(1), default=None, help=f"largest k measured (default: {K_MAX})")
-    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="(default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=DEFAULT_DTYPE, help="(default: %(default)s)")
     p.add_argument("--exit-layer", type=int_at_least(1), default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from specdec.cli.common import UsageError, int_at_least
-from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         "in --workdir: rerunning the same command resumes an interrupted run.",
     )
     p.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model name or path (default: %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=DEFAULT_DTYPE,
                    help="the target's runtime dtype whose features the head learns to read (default: %(default)s)")
     p.add_argument("--out", required=True, help="where to write the head (.safetensors)")
     p.add_argument("--workdir", default=None, help="corpus, features and checkpoints (default: $SPECDEC_HOME/train-head/TARGET-DTYPE)")

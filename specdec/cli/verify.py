@@ -6,7 +6,7 @@ import argparse
 import json
 
 from specdec.cli.common import UsageError, int_at_least, k_value, read_prompts, resolve_auto_draft, seed_value
-from specdec.runtime.linear import DEFAULT_DTYPE, DTYPES
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
 from specdec.speculation import METHODS
 
 
@@ -42,7 +42,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--greedy-tokens", type=int_at_least(1), default=32, help="tokens per prompt for (a) (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=1e-3, help="significance level (default: %(default)s)")
     p.add_argument("--batch", type=int_at_least(1), default=200, help="rows per engine call while sampling (default: %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="(default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=DEFAULT_DTYPE, help="(default: %(default)s)")
     p.add_argument("--seed", type=seed_value, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -84,6 +84,7 @@ def tensor_types(reader) -> Counter:
 # What each runtime dtype does to a file's weight matrices: the storage types it keeps exactly,
 # and how it lowers the others. Float32 holds every dequantized value exactly.
 KEPT = {"q4k": {"Q4_K"}, "q4": set(), "int8": set(), "bfloat16": {"BF16"}, "float32": None}
+NATIVE = ("Q4_K", "Q6_K")  # the types the gguf dtype runs in their own kernels
 LOWERED_TO = {"q4k": "4 bits (q4k)", "q4": "4 bits (q4)", "int8": "8 bits (int8)", "bfloat16": "bf16"}
 
 
@@ -93,6 +94,12 @@ def precision(types: Counter, dtype: str) -> tuple[str, bool]:
     (q4k)", True)``. Q4_K under q4k is kept where its blocks reproduce the file's weights bit for
     bit (:func:`specdec.runtime.q4.quantize_q4k`); the embedding lookup always reads the exact
     dequantized rows."""
+    if dtype == "gguf":
+        native = sorted(t for t in types if t in NATIVE)
+        others = sorted(t for t in types if t not in NATIVE)
+        parts = ([f"{', '.join(native)} in their own kernels"] if native else []) + (
+            [f"{', '.join(others)} as exact float32 (no native kernel yet)"] if others else [])
+        return f"gguf: the stored weights exactly ({'; '.join(parts) or 'no weight matrices'})", False
     kept = KEPT[dtype]
     if kept is None:
         return f"{dtype}: the stored weights exactly ({_names(types)})", False

@@ -68,3 +68,48 @@ class Q4KTensors:
         name = gguf_name(hf_name)
         tensor = self._tensors.get(name) if name else None
         return None if tensor is None else decode_blocks(np.asarray(tensor.data))
+
+
+class GGUFTensors:
+    """A GGUF file's weight matrices as the grids the ``gguf`` dtype multiplies, by Hugging Face
+    parameter name: :meth:`get` is a :class:`Q4KGrid` (Q4_K), a :class:`~specdec.runtime.q6k.Q6KGrid`
+    (Q6_K), or None (another type, which then runs as its exact fp32 values; or a name the file
+    does not have). Rows follow the Hugging Face layout: a llama file's q and k rows, which
+    llama.cpp's converter interleaved per head for its rope, are put back in transformers' order."""
+
+    def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        self._tensors = {t.name: t for t in reader.tensors}
+        arch = reader.fields["general.architecture"].contents()
+        self._heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "llama" else {}
+
+    def get(self, hf_name: str):
+        from gguf import GGMLQuantizationType as T
+
+        from specdec.runtime import q6k
+
+        name = gguf_name(hf_name)
+        tensor = self._tensors.get(name) if name else None
+        decode = {T.Q4_K: decode_blocks, T.Q6_K: q6k.decode_blocks}.get(tensor.tensor_type) if tensor is not None else None
+        if decode is None:
+            return None
+        grid = decode(np.asarray(tensor.data))
+        parts = name.split(".")  # blk.{i}.{kind}.weight, or output.weight / token_embd.weight
+        heads = self._heads.get(parts[2]) if len(parts) == 4 else None
+        return grid if heads is None else _rows(grid, _unpermute(grid.rows(), heads))
+
+
+def _unpermute(rows: int, heads: int) -> torch.Tensor:
+    """Row ``i`` of transformers' q/k weight is row ``index[i]`` of a llama GGUF file's: the file
+    holds each head's rope pairs as (first halves, second halves) interleaved, transformers them
+    as two halves (the inverse of llama.cpp's converter's permutation)."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def _rows(grid, index: torch.Tensor):
+    import dataclasses
+
+    return type(grid)(**{f.name: getattr(grid, f.name)[index] for f in dataclasses.fields(grid)})

@@ -23,15 +23,15 @@ import torch
 
 from specdec import cache
 from specdec.models import gguf_meta, registry
-from specdec.models.gguf_q4k import Q4KTensors
+from specdec.models.gguf_q4k import GGUFTensors, Q4KTensors
 from specdec.models.calibration import cached_calibration
 from specdec.runtime.config import ModelConfig, UnsupportedModel
-from specdec.runtime.linear import DEFAULT_DTYPE
+from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES, FAST_DTYPE
 from specdec.runtime.model import Transformer
 
 # Bump a format when its quantized layout or recipe changes (it is part of the cache key).
-QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2", "q4k": "q4k-sb256-u8s8-f16-tiles16-gguf-exact-v1"}
-DTYPES = ("int8", "q4", "q4k", "bfloat16", "float32")
+QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2", "q4k": "q4k-sb256-u8s8-f16-tiles16-gguf-exact-v1",
+                "gguf": "gguf-q4k-q6k-f32-v1"}
 DONE = "done"  # marker written last into a converted directory: its files and their sizes
 
 
@@ -234,7 +234,8 @@ def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "La
     def build(tmp: Path) -> None:
         cache.notice(f"quantizing {directory.name} to {dtype} once; cached at {target}")
         act_absmax = cached_calibration(directory, content_key(directory), cfg, weights, tokenizer) if dtype == "int8" else None
-        grids = Q4KTensors(gguf) if dtype == "q4k" and gguf is not None else None
+        grids = (GGUFTensors(gguf, cfg.num_heads, cfg.num_kv_heads) if dtype == "gguf"
+                 else Q4KTensors(gguf) if dtype == "q4k" and gguf is not None else None)
         model = Transformer(cfg, weights, dtype, act_absmax, grids=grids)
         save_file(model.quantized_state, str(tmp))
         model.quantized_state = {}
@@ -268,16 +269,31 @@ def _load_directory(directory: Path, dtype: str, gguf: Path | None = None) -> tu
     return Transformer(cfg, weights, dtype), tokenizer
 
 
-def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False) -> LoadedModel:
-    """Load a model for inference. int8 layers are cached on disk after the first build, so a
-    second load reads ~1 byte per weight and only repacks it for the kernel.
+def resolve_dtype(dtype: str, gguf: Path | None, role: str = "target") -> str:
+    """``auto``: a GGUF target at its file's own precision (``gguf``) where this CPU runs its
+    kernels, anything else at the fast default (:data:`specdec.runtime.linear.FAST_DTYPE`): a
+    draft model's precision changes how often its drafts are accepted, never the output."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
+    if dtype == "gguf" and gguf is None:
+        raise ValueError("dtype 'gguf' (each tensor at its stored type) needs a GGUF file as the model")
+    if dtype != DEFAULT_DTYPE:
+        return dtype
+    return "gguf" if gguf is not None and role == "target" and FAST_DTYPE == "q4k" else FAST_DTYPE
+
+
+def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False, role: str = "target") -> LoadedModel:
+    """Load a model for inference (``dtype``: see :func:`resolve_dtype`; ``role``: "target" or
+    "draft"). Quantized layers are cached on disk after the first build, so a second load reads
+    them and only repacks them for the kernel.
 
     A converted directory that cannot be read is converted again once (saying so on stderr); a
     user's own directory that cannot be read is a :class:`ModelLoadError`."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     start = time.perf_counter()
     directory, gguf = _resolve(name_or_path, install)
+    dtype = resolve_dtype(dtype, gguf, role)
     try:
         model, tokenizer = _load_directory(directory, dtype, gguf)
     except UnsupportedModel:  # a model specdec cannot compute exactly: refused, never converted again

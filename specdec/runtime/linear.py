@@ -37,15 +37,20 @@ import torch.nn.functional as F
 from specdec.runtime import q4
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "q4": torch.uint8,
-          "q4k": torch.uint8}
-QUANTIZED = ("int8", "q4", "q4k")  # dtypes whose layers are built once and cached on disk
+          "q4k": torch.uint8, "gguf": torch.uint8}
+QUANTIZED = ("int8", "q4", "q4k", "gguf")  # dtypes whose layers are built once and cached on disk
 FOUR_BIT = ("q4", "q4k")  # the two layouts of q4.Q4Linear (per-group scales; integer sub-scales)
 # The default everywhere (CLI, API, loading): 4 bits where this CPU runs the kernel (AVX2 or
 # better) — faster than int8 and closer to the GGUF weights (docs/CHANGELOG.md, '4-bit
 # batch-invariant runtime') — in the q4k layout: fewer bytes than q4, a GGUF file's Q4_K tensors
 # kept exactly, and a vector loop for AVX-512 VNNI and (since stop 42) AVX2, where one token is
 # ~6% faster than q4 on Zen 3 and the shipped head is accepted as often (BENCHMARKS §1); else int8.
-DEFAULT_DTYPE = "q4k" if q4.available() else "int8"
+FAST_DTYPE = "q4k" if q4.available() else "int8"
+# "auto", resolved per model at load (specdec.models.loading.resolve_dtype): a GGUF target at its
+# file's own precision ("gguf": Q4_K and Q6_K in their kernels, other types as exact fp32), other
+# sources and draft models (whose precision changes acceptance, never the output) at FAST_DTYPE.
+DEFAULT_DTYPE = "auto"
+DTYPE_CHOICES = (DEFAULT_DTYPE, *DTYPES)  # what --dtype accepts
 
 _ANCHOR_COLUMNS = 8  # +1, -1, then zeros: keeps K a multiple of 8 when it was one
 
@@ -55,6 +60,7 @@ class FloatLinear(torch.nn.Module):
         super().__init__()
         self.weight = weight.to(dtype).contiguous()  # [N, K]
         self.bias = None if bias is None else bias.to(dtype)
+        self.out_features = self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
@@ -161,6 +167,8 @@ class LinearBuilder:
         layer's q, k, v), so that q4k can use a GGUF file's own 4-bit grids for them."""
         if self.dtype not in QUANTIZED:
             return FloatLinear(weight_fn(), bias_fn(), DTYPES[self.dtype])
+        if self.dtype == "gguf":
+            return self._gguf(name, weight_fn, bias_fn, parts)
         if self.quantized is not None:
             prefix = name + "."
             state = {k[len(prefix):]: v for k, v in self.quantized.items() if k.startswith(prefix)}
@@ -181,6 +189,27 @@ class LinearBuilder:
         layer = RowInt8Linear(state)
         self._to_pack.append(layer)
         return layer
+
+
+    def _gguf(self, name: str, weight_fn, bias_fn, parts) -> torch.nn.Module:
+        """A layer of the ``gguf`` dtype (:mod:`specdec.runtime.gguf_linear`): each part at its
+        stored type; a layer that is not the file's (no grids, no parts) is built as q4k."""
+        from specdec.runtime import gguf_linear
+
+        segments = gguf_linear.from_cache(name, self.quantized) if self.quantized is not None else None
+        if segments is None:
+            if self.quantized is not None and f"{name}.packed" in self.quantized:  # a q4k layer (not the file's)
+                return q4.Q4Linear({k[len(name) + 1:]: v for k, v in self.quantized.items() if k.startswith(name + ".")})
+            if self.quantized is not None:
+                raise KeyError(f"quantized cache has no layer {name!r}")
+            if self.grids is None or not parts:
+                state = q4.quantize_q4k(weight_fn(), bias_fn())
+                self.exported.update({f"{name}.{k}": v for k, v in state.items()})
+                return q4.Q4Linear(state)
+            grids = [(rows, self.grids.get(part)) for part, rows in parts]
+            segments = gguf_linear.segment_states(weight_fn().float(), bias_fn(), grids)
+            self.exported.update(gguf_linear.export(name, segments))
+        return gguf_linear.module(segments)
 
 
 def activation_dtype(dtype: str) -> torch.dtype:

@@ -43,6 +43,7 @@ KERNEL_SOURCES = {
     "attention": KernelSource("attention.cpp", ("exp16.h", "rope.h"), VECTOR_FLAGS),
     "elementwise": KernelSource("elementwise.cpp", ("exp16.h", "rope.h"), VECTOR_FLAGS),
     "q4": KernelSource("q4.cpp", ("q4_blocks.h",), Q4_FLAGS, needs_avx2=True),
+    "q6k": KernelSource("q6k.cpp", (), Q4_FLAGS, needs_avx2=True),  # GGUF Q6_K weights exactly
     # the q4, attention and elementwise kernels' sources, built together: a model's layers in one call
     "stack": KernelSource("stack.cpp", ("q4.cpp", "q4_blocks.h", "attention.cpp", "elementwise.cpp", "exp16.h", "rope.h"),
                           VECTOR_FLAGS + Q4_FLAGS, needs_avx2=True),

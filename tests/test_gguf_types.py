@@ -1,0 +1,205 @@
+"""GGUF tensor types at their own precision: the runtime's weights equal the gguf package's
+dequantization bit for bit, and each kernel equals its pure-torch reference bit for bit on every
+instruction set this CPU has (plus the portable loop)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from specdec.runtime import q4, q6k
+
+
+def random_q6k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw Q6_K superblocks with random codes and scales (every byte pattern is valid) and finite d."""
+    g = np.random.default_rng(seed)
+    raw = g.integers(0, 256, size=(rows, cols // 256, q6k.BLOCK_BYTES), dtype=np.uint8)
+    raw[..., 208:210] = (g.standard_normal((rows, cols // 256, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_q6k_grid_dequantizes_bit_for_bit_as_gguf():
+    raw = random_q6k(37, 512, seed=0)
+    ours = q6k.decode_blocks(raw).dequantize()
+    theirs = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q6_K))
+    assert torch.equal(ours, theirs)
+    assert int(q6k.decode_blocks(raw).u.max()) == 63 and int(q6k.decode_blocks(raw).sc.min()) < 0  # the full ranges
+    assert torch.equal(q6k.unpack(q6k.pack(q6k.decode_blocks(raw))).dequantize()[:37], theirs)
+
+
+ISAS = {"portable": 4, "avx2": 1, "avx512": 3}
+
+
+def _isas():
+    import torch.backends.cpu
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return ["portable", "avx2"] + (["avx512"] if capability == "AVX512" else [])
+
+
+@pytest.fixture(params=_isas())
+def isa(request):
+    if not q4.available():
+        pytest.skip("the GGUF kernels need AVX2")
+    q6k.kernel().force_isa(ISAS[request.param])
+    yield request.param
+    q6k.kernel().force_isa(0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 17])
+def test_q6k_kernel_is_bit_identical_to_its_reference_and_batch_invariant(isa, rows):
+    raw = random_q6k(40, 768, seed=1)  # 40 outputs: two full tiles and a padded one
+    bias = torch.randn(40)
+    state = q6k.pack(q6k.decode_blocks(raw), bias)
+    layer = q6k.Q6KLinear(state)
+    x = torch.randn(rows, 768) * torch.linspace(0.1, 10, 768)
+    got = layer(x)
+    assert torch.equal(got, q6k.reference_linear(x, state))
+    assert torch.equal(got[:1], layer(x[:1]))  # a row alone equals the same row in a block
+    exact = x.double() @ torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q6_K)).double().T + bias.double()
+    assert ((got.double() - exact).abs().max() / exact.abs().max()) < 2e-2  # int8 activations, the file's weights
+
+
+def test_q6k_reference_is_a_sharp_check():
+    """A kernel that rounded each group in fp32 (another order) would differ from the reference."""
+    raw = random_q6k(16, 512, seed=2)
+    state = q6k.pack(q6k.decode_blocks(raw))
+    x = torch.randn(4, 512)
+    w = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q6_K))
+    assert not torch.equal(q6k.reference_linear(x, state), (x @ w.T))
+
+
+def random_q4k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw Q4_K superblocks: random codes and 6-bit scales, finite d and dmin."""
+    g = np.random.default_rng(seed)
+    raw = g.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = (np.abs(g.standard_normal((rows, cols // 256, 2))) * 1e-3).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+# How the tiny GGUF stores each linear: the Q4_K_M mix (Q4_K, with v and down as Q6_K) plus a
+# Q8_0 and an F16 tensor, which the gguf dtype runs as their exact fp32 values.
+STORED = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q4_K",
+          "ffn_up": "F16", "ffn_down": "Q6_K"}
+HF_NAME = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+           "ffn_down": "mlp.down_proj"}
+
+
+def _stored(kind: str, shape, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the tensor as the file holds it, its dequantized fp32 weights)."""
+    rows, cols = shape
+    T = GGMLQuantizationType
+    if kind == "Q4_K":
+        raw = random_q4k(rows, cols, seed)
+    elif kind == "Q6_K":
+        raw = random_q6k(rows, cols, seed)
+    elif kind == "Q8_0":
+        raw = quants.quantize(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05, T.Q8_0)
+    else:
+        raw = (np.random.default_rng(seed).standard_normal(shape) * 0.05).astype(np.float16)
+        return raw, raw.astype(np.float32)
+    return raw, quants.dequantize(raw, getattr(T, kind))
+
+
+def write_tiny_gguf(tmp_path, seed: int = 0):
+    """A tiny Qwen2 as a GGUF file of mixed tensor types, and the Hugging Face directory its
+    conversion gives (the model's weights replaced by the file's dequantized ones)."""
+    import gguf
+
+    from tiny_models import hf_tiny, save_hf_dir
+
+    hf = hf_tiny("qwen2", hidden=256, layers=2)
+    state = hf.state_dict()
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "qwen2")
+    writer.add_uint32("qwen2.attention.head_count", 4)
+    writer.add_uint32("qwen2.embedding_length", 256)
+    for i in range(2):
+        for short, kind in STORED.items():
+            name = f"model.layers.{i}.{HF_NAME[short]}.weight"
+            raw, weights = _stored(kind, tuple(state[name].shape), seed=100 * i + len(short))
+            writer.add_tensor(f"blk.{i}.{short}.weight", raw,
+                              raw_dtype=None if kind == "F16" else getattr(GGMLQuantizationType, kind))
+            with torch.no_grad():
+                hf.get_parameter(name).copy_(torch.from_numpy(weights))
+    raw, weights = _stored("Q6_K", tuple(state["model.embed_tokens.weight"].shape), seed=7)  # tied: the output too
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=GGMLQuantizationType.Q6_K)
+    with torch.no_grad():
+        hf.get_parameter("model.embed_tokens.weight").copy_(torch.from_numpy(weights))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tmp_path / "tiny.gguf", save_hf_dir(hf, tmp_path / "converted-by-transformers")
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    """The tiny GGUF, loadable by path: its conversion (transformers' GGUF reader, which needs a
+    tokenizer in the file) is stood in for by the directory it would write."""
+    import shutil
+
+    from conftest import fresh_home
+    from specdec.models import loading
+
+    fresh_home(tmp_path, monkeypatch)
+    path, converted = write_tiny_gguf(tmp_path)
+
+    def convert(gguf_path, tmp, out=None):
+        shutil.copytree(converted, tmp)
+        return tmp
+
+    monkeypatch.setattr(loading, "_convert", convert)
+    return path
+
+
+def _weights(layer) -> torch.Tensor:
+    """The fp32 weights a runtime layer multiplies."""
+    from specdec.runtime.gguf_linear import ConcatLinear
+    from specdec.runtime.linear import FloatLinear
+
+    if isinstance(layer, ConcatLinear):
+        return torch.cat([_weights(part) for part in layer.parts])
+    if isinstance(layer, q6k.Q6KLinear):
+        return q6k.unpack({"packed": layer.packed}).dequantize()[: layer.out_features]
+    if isinstance(layer, FloatLinear):
+        return layer.weight
+    return q4.dequantize_q4k({"packed": layer.packed, "out_features": torch.tensor(layer.out_features)}, layer.in_features)
+
+
+@pytest.mark.skipif(not q4.available(), reason="the GGUF kernels need AVX2")
+def test_every_runtime_weight_is_the_file_weight_by_default(tiny_gguf, capsys):
+    """No model a user names runs at a lower precision than its file: Q4_K, Q6_K, Q8_0 and F16
+    tensors, loaded by default, are multiplied exactly as gguf dequantizes them (twice: built,
+    then read from the on-disk cache)."""
+    from gguf import GGUFReader
+
+    from specdec.models import loading
+
+    stored = {t.name: quants.dequantize(t.data, t.tensor_type) for t in GGUFReader(str(tiny_gguf)).tensors}
+    for attempt in ("built", "cached"):
+        model = loading.load(str(tiny_gguf))
+        assert model.model.dtype_name == "gguf"
+        assert model.precision == ("gguf: the stored weights exactly (Q4_K, Q6_K in their own kernels; F16, Q8_0 "
+                                   "as exact float32 (no native kernel yet))"), attempt
+        for i, block in enumerate(model.model.blocks):
+            parts = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+                     "down": ("ffn_down",)}
+            for attr, shorts in parts.items():
+                expected = np.concatenate([stored[f"blk.{i}.{s}.weight"] for s in shorts]).astype(np.float32)
+                assert torch.equal(_weights(getattr(block, attr)), torch.from_numpy(expected)), (attempt, i, attr)
+        assert torch.equal(_weights(model.model.lm_head), torch.from_numpy(stored["token_embd.weight"]))
+    assert "re-quantized" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not q4.available(), reason="the GGUF kernels need AVX2")
+def test_an_explicit_four_bit_dtype_says_what_it_lowers(tiny_gguf, capsys):
+    from specdec.models import loading
+
+    model = loading.load(str(tiny_gguf), "q4k")
+    lowered = [line for line in capsys.readouterr().err.splitlines() if "re-quantized" in line]
+    assert lowered == [f"specdec: tiny.gguf runs at q4k: Q4_K kept exactly; F16, Q6_K, Q8_0 re-quantized to 4 bits "
+                       f"(q4k) (--dtype float32 multiplies the stored weights)"]
+    assert model.precision.startswith("q4k:")

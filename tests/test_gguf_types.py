@@ -104,30 +104,43 @@ def _stored(kind: str, shape, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return raw, quants.dequantize(raw, getattr(T, kind))
 
 
-def write_tiny_gguf(tmp_path, seed: int = 0):
-    """A tiny Qwen2 as a GGUF file of mixed tensor types, and the Hugging Face directory its
+def _llama_file_rows(rows: int, heads: int) -> np.ndarray:
+    """llama.cpp's converter stores q/k rows per head as (half, pair) instead of (pair, half):
+    file row r holds Hugging Face row ``index[r]``."""
+    return np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
+
+
+def write_tiny_gguf(tmp_path, arch: str = "qwen2", seed: int = 0):
+    """A tiny model as a GGUF file of mixed tensor types, and the Hugging Face directory its
     conversion gives (the model's weights replaced by the file's dequantized ones)."""
     import gguf
 
     from tiny_models import hf_tiny, save_hf_dir
 
-    hf = hf_tiny("qwen2", hidden=256, layers=2)
+    hf = hf_tiny(arch, hidden=256, layers=2)
     state = hf.state_dict()
-    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "qwen2")
-    writer.add_uint32("qwen2.attention.head_count", 4)
-    writer.add_uint32("qwen2.embedding_length", 256)
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), arch)
+    writer.add_uint32(f"{arch}.attention.head_count", 4)
+    writer.add_uint32(f"{arch}.embedding_length", 256)
+    heads = {"attn_q": 4, "attn_k": 2} if arch == "llama" else {}
     for i in range(2):
         for short, kind in STORED.items():
             name = f"model.layers.{i}.{HF_NAME[short]}.weight"
             raw, weights = _stored(kind, tuple(state[name].shape), seed=100 * i + len(short))
+            if short in heads:
+                raw = raw[_llama_file_rows(raw.shape[0], heads[short])]
             writer.add_tensor(f"blk.{i}.{short}.weight", raw,
                               raw_dtype=None if kind == "F16" else getattr(GGMLQuantizationType, kind))
             with torch.no_grad():
                 hf.get_parameter(name).copy_(torch.from_numpy(weights))
-    raw, weights = _stored("Q6_K", tuple(state["model.embed_tokens.weight"].shape), seed=7)  # tied: the output too
-    writer.add_tensor("token_embd.weight", raw, raw_dtype=GGMLQuantizationType.Q6_K)
-    with torch.no_grad():
-        hf.get_parameter("model.embed_tokens.weight").copy_(torch.from_numpy(weights))
+    tops = {"token_embd.weight": "model.embed_tokens.weight"}  # Qwen2's tiny model ties the output to it
+    if not hf.config.tie_word_embeddings:
+        tops["output.weight"] = "lm_head.weight"
+    for seed, (top, name) in enumerate(tops.items()):
+        raw, weights = _stored("Q6_K", tuple(state[name].shape), seed=7 + seed)
+        writer.add_tensor(top, raw, raw_dtype=GGMLQuantizationType.Q6_K)
+        with torch.no_grad():
+            hf.get_parameter(name).copy_(torch.from_numpy(weights))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -135,8 +148,8 @@ def write_tiny_gguf(tmp_path, seed: int = 0):
     return tmp_path / "tiny.gguf", save_hf_dir(hf, tmp_path / "converted-by-transformers")
 
 
-@pytest.fixture
-def tiny_gguf(tmp_path, monkeypatch):
+@pytest.fixture(params=["qwen2", "llama"])
+def tiny_gguf(tmp_path, monkeypatch, request):
     """The tiny GGUF, loadable by path: its conversion (transformers' GGUF reader, which needs a
     tokenizer in the file) is stood in for by the directory it would write."""
     import shutil
@@ -145,7 +158,7 @@ def tiny_gguf(tmp_path, monkeypatch):
     from specdec.models import loading
 
     fresh_home(tmp_path, monkeypatch)
-    path, converted = write_tiny_gguf(tmp_path)
+    path, converted = write_tiny_gguf(tmp_path, request.param)
 
     def convert(gguf_path, tmp, out=None):
         shutil.copytree(converted, tmp)
@@ -178,7 +191,15 @@ def test_every_runtime_weight_is_the_file_weight_by_default(tiny_gguf, capsys):
 
     from specdec.models import loading
 
-    stored = {t.name: quants.dequantize(t.data, t.tensor_type) for t in GGUFReader(str(tiny_gguf)).tensors}
+    reader = GGUFReader(str(tiny_gguf))
+    stored = {t.name: quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    if reader.fields["general.architecture"].contents() == "llama":  # q/k rows back in transformers' order
+        for name in list(stored):
+            heads = {"attn_q": 4, "attn_k": 2}.get(name.split(".")[2]) if name.startswith("blk.") else None
+            if heads:
+                hf_rows = np.empty_like(stored[name])
+                hf_rows[_llama_file_rows(len(hf_rows), heads)] = stored[name]
+                stored[name] = hf_rows
     for attempt in ("built", "cached"):
         model = loading.load(str(tiny_gguf))
         assert model.model.dtype_name == "gguf"
@@ -190,7 +211,8 @@ def test_every_runtime_weight_is_the_file_weight_by_default(tiny_gguf, capsys):
             for attr, shorts in parts.items():
                 expected = np.concatenate([stored[f"blk.{i}.{s}.weight"] for s in shorts]).astype(np.float32)
                 assert torch.equal(_weights(getattr(block, attr)), torch.from_numpy(expected)), (attempt, i, attr)
-        assert torch.equal(_weights(model.model.lm_head), torch.from_numpy(stored["token_embd.weight"]))
+        output = stored.get("output.weight", stored["token_embd.weight"])
+        assert torch.equal(_weights(model.model.lm_head), torch.from_numpy(output))
     assert "re-quantized" not in capsys.readouterr().err
 
 

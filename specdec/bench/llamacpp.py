@@ -114,3 +114,46 @@ def specdec_block_costs(model, prefix: list[int], block: list[int], repeats: int
         logits[n] = out[0, 0].clone()
     return {"eval_ms": times, "ratio": times[len(block)] / times[1],
             "logit_max_diff": float((logits[1] - logits[len(block)]).abs().max())}
+
+
+def open_file(gguf: Path, threads: int, context: int, logits_all: bool = False):
+    """A plain llama.cpp context on ``gguf`` (greedy sampling is the caller's)."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
+                 logits_all=logits_all, verbose=False)
+
+
+def greedy_seconds(llm, prompt_ids: list[int], tokens: int) -> float:
+    """Seconds to prefill ``prompt_ids`` and decode ``tokens`` greedy tokens (end to end)."""
+    llm.reset()
+    start = time.perf_counter()
+    for n, _ in enumerate(llm.generate(prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True), 1):
+        if n >= tokens:
+            break
+    return time.perf_counter() - start
+
+
+def forward_scaling(llm, context: int = 200, sizes=(1, 2, 5, 9), repeats: int = 7) -> dict[int, float]:
+    """Median seconds of one evaluation of ``n`` new tokens after a ``context``-token prefix, the
+    sizes interleaved (as :func:`specdec.bench.measure.forward_scaling`)."""
+    g = torch.Generator().manual_seed(0)
+    llm.reset()
+    llm.eval(torch.randint(0, 10_000, (context,), generator=g).tolist())
+    blocks = {n: torch.randint(0, 10_000, (n,), generator=g).tolist() for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(repeats + 1):
+        for n in sizes:
+            llm.n_tokens = context  # eval() drops the KV cache past n_tokens
+            t = time.perf_counter()
+            llm.eval(blocks[n])
+            if r:
+                times[n].append(time.perf_counter() - t)
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def teacher_forced_logits(llm, ids: torch.Tensor, plen: int) -> torch.Tensor:
+    """llama.cpp's logits predicting ``ids[0, plen:]`` (a context opened with ``logits_all``)."""
+    llm.reset()
+    llm.eval(ids[0].tolist())
+    return torch.tensor(llm.scores[plen - 1 : ids.shape[1] - 1]).float()

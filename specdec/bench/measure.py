@@ -6,6 +6,9 @@
     python -m specdec.bench.measure dtypes --dtypes int8,q4,q4k [--runs 3]
         our dtypes side by side: speed, 1/5/9-token forwards, quality against fp32, and the
         prefill of a 500-token prompt next to transformers int8 and (when installed) llama.cpp
+    python -m specdec.bench.measure llamacpp [--tokens 128] [--runs 3] [--out FILE]
+        plain decoding next to llama.cpp on the same GGUF file and threads: specdec at the file's
+        precision and at q4k, tok/s, 1/2/5/9-token forwards, argmax agreement and TV vs fp32
     python -m specdec.bench.measure step
         where one decoding step's time goes: q4 GEMM vs everything else, op count, host syncs
     python -m specdec.bench.measure fused [--rounds 2]
@@ -62,30 +65,41 @@ def forward_scaling(model, context: int = 200, sizes=(1, 2, 5, 9), repeats: int 
     return {n: statistics.median(ts) for n, ts in times.items()}
 
 
+def fp32_reference(target: str, prompts: list[str], positions: int = 48) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """``(ids [1, T], prompt length, fp32 probabilities [positions, V])`` per prompt: fp32's own
+    greedy continuation and its distributions along it (teacher-forced quality references)."""
+    ref = TextGenerator.load(target, dtype="float32")
+    m = ref.target.model
+    out = []
+    for text in prompts:
+        prompt = ref.encode(text, chat=True)
+        cont = generate(m, [prompt], SamplingParams(temperature=0.0), positions)[0].token_ids
+        ids = torch.tensor([prompt + cont])
+        logits = m(ids, m.new_cache(1, ids.shape[1]))[0, len(prompt) - 1 : -1]  # predicts cont
+        out.append((ids, len(prompt), torch.softmax(logits.float(), -1)))
+    return out
+
+
+def agreement(logits_of, references) -> dict:
+    """Argmax agreement and mean total variation against fp32 of ``logits_of(ids, plen)`` (the
+    logits predicting ``ids[plen:]``) over :func:`fp32_reference`'s sequences."""
+    agree, tv, n = 0, 0.0, 0
+    for ids, plen, p in references:
+        q = torch.softmax(logits_of(ids, plen).float(), -1)
+        agree += int((q.argmax(-1) == p.argmax(-1)).sum())
+        tv += float(0.5 * (q - p).abs().sum(-1).sum())
+        n += p.shape[0]
+    return {"argmax_agreement": agree / n, "mean_tv": tv / n, "positions": n}
+
+
 def agreement_with_fp32(target: str, dtypes: list[str], prompts: list[str], positions: int = 48) -> dict[str, dict]:
     """Teacher-forced quality: on fp32's own greedy continuation of each prompt, the fraction of
     positions where each dtype's argmax equals fp32's, and the mean total-variation distance."""
-    ref = TextGenerator.load(target, dtype="float32")
-    seqs, ref_probs = [], []
-    for text in prompts:
-        prompt = ref.encode(text, chat=True)
-        cont = generate(ref.target.model, [prompt], SamplingParams(temperature=0.0), positions)[0].token_ids
-        ids = torch.tensor([prompt + cont])
-        m = ref.target.model
-        logits = m(ids, m.new_cache(1, ids.shape[1]))[0, len(prompt) - 1 : -1]  # predicts cont
-        seqs.append((ids, len(prompt)))
-        ref_probs.append(torch.softmax(logits.float(), -1))
-    del ref
+    references = fp32_reference(target, prompts, positions)
     out = {}
     for dtype in dtypes:
         m = TextGenerator.load(target, dtype=dtype).target.model
-        agree, tv, n = 0, 0.0, 0
-        for (ids, plen), p in zip(seqs, ref_probs):
-            q = torch.softmax(m(ids, m.new_cache(1, ids.shape[1]))[0, plen - 1 : -1].float(), -1)
-            agree += int((q.argmax(-1) == p.argmax(-1)).sum())
-            tv += float(0.5 * (q - p).abs().sum(-1).sum())
-            n += p.shape[0]
-        out[dtype] = {"argmax_agreement": agree / n, "mean_tv": tv / n, "positions": n}
+        out[dtype] = agreement(lambda ids, plen: m(ids, m.new_cache(1, ids.shape[1]))[0, plen - 1 : -1], references)
     return out
 
 
@@ -159,6 +173,62 @@ def compare_dtypes(target: str, dtypes: list[str], tokens: int, runs: int) -> No
     print("\n| runtime | prefill of a 500-token prompt, tok/s |\n|---|---|")
     for name, rate in prefill.items():
         print(f"| {name} | {rate:.0f} |")
+
+
+def versus_llamacpp(target: str, tokens: int, runs: int, threads: int) -> dict:
+    """Plain decoding on one GGUF file, same threads, in one process: specdec at the file's own
+    precision (``gguf``) and re-quantized (``q4k``), and llama.cpp. End-to-end greedy tok/s
+    (prefill included) on the code prompts, run in turn prompt by prompt; the cost of a 1/2/5/9
+    token forward after 200 tokens; argmax agreement and mean TV against fp32, teacher-forced."""
+    from specdec.bench import llamacpp
+
+    gguf = llamacpp.gguf_file(target)
+    gens = {dtype: TextGenerator.load(target, dtype=dtype) for dtype in ("gguf", "q4k")}
+    llm = llamacpp.open_file(gguf, threads, 2048)
+    prompts = [gens["gguf"].encode(CODE_PROMPTS[r % len(CODE_PROMPTS)], chat=True) for r in range(runs)]
+    rates: dict[str, list[float]] = {"gguf": [], "q4k": [], "llama.cpp": []}
+    for prompt in prompts:
+        for dtype, gen in gens.items():
+            t = time.perf_counter()
+            generate(gen.target.model, [prompt], SamplingParams(temperature=0.0), tokens)
+            rates[dtype].append(tokens / (time.perf_counter() - t))
+        rates["llama.cpp"].append(tokens / llamacpp.greedy_seconds(llm, prompt, tokens))
+    scaling = {dtype: forward_scaling(gen.target.model) for dtype, gen in gens.items()}
+    scaling["llama.cpp"] = llamacpp.forward_scaling(llm)
+    del llm
+    references = fp32_reference(target, CODE_PROMPTS[:2])
+    quality = {dtype: agreement(lambda ids, plen, m=gen.target.model: m(ids, m.new_cache(1, ids.shape[1]))[0, plen - 1 : -1],
+                                references) for dtype, gen in gens.items()}
+    full = llamacpp.open_file(gguf, threads, 2048, logits_all=True)
+    quality["llama.cpp"] = agreement(lambda ids, plen: llamacpp.teacher_forced_logits(full, ids, plen), references)
+    return {"target": target, "gguf": str(gguf), "tokens": tokens, "prompts": runs, "threads": threads,
+            "cpu": _cpu_name(), "tok_s": {k: statistics.median(v) for k, v in rates.items()},
+            "tok_s_runs": rates, "forward_s": scaling, "quality_vs_fp32": quality}
+
+
+def print_versus_llamacpp(r: dict) -> None:
+    base = r["tok_s"]["llama.cpp"]
+    print(f"\n## {r['target']} plain decoding, {r['tokens']} greedy tokens, median of {r['prompts']} prompts, "
+          f"{r['threads']} threads, {r['cpu']}\n")
+    print("| runtime | weights | tok/s | vs llama.cpp | 2 / 5 / 9 tokens vs 1 | argmax = fp32 | mean TV vs fp32 |")
+    print("|---|---|---|---|---|---|---|")
+    names = {"gguf": "the file's (Q4_K, Q6_K exact)", "q4k": "Q6_K re-quantized to 4 bits", "llama.cpp": "the file's"}
+    for key, what in names.items():
+        sc, q = r["forward_s"][key], r["quality_vs_fp32"][key]
+        label = "llama.cpp" if key == "llama.cpp" else f"specdec --dtype {key}"
+        print(f"| {label} | {what} | {r['tok_s'][key]:.1f} | {r['tok_s'][key] / base:.2f}x | "
+              f"{sc[2] / sc[1]:.2f} / {sc[5] / sc[1]:.2f} / {sc[9] / sc[1]:.2f} | {q['argmax_agreement']:.1%} | {q['mean_tv']:.3f} |")
+
+
+def _cpu_name() -> str:
+    """The CPU's model name and vector ISA flags (every figure names its CPU)."""
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(key)), "")  # noqa: E731
+    isa = [f for f in field("flags").split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+    return f"{field('model name')} ({' '.join(isa)})"
 
 
 def runtime_vs_transformers(target: str, dtype: str, tokens: int, runs: int, out: str | None) -> None:
@@ -410,6 +480,11 @@ def main() -> None:
     dt.add_argument("--dtypes", default="int8,q4,q4k")
     dt.add_argument("--tokens", type=int, default=64)
     dt.add_argument("--runs", type=int, default=3)
+    lc = sub.add_parser("llamacpp", help="plain decoding vs llama.cpp on the same GGUF file: speed, scaling, quality")
+    lc.add_argument("--target", default=registry.DEFAULT_TARGET)
+    lc.add_argument("--tokens", type=int, default=128)
+    lc.add_argument("--runs", type=int, default=3)
+    lc.add_argument("--out", default=None, help="also write the measurements as JSON here")
     sub.add_parser("step", help="where one decoding step's time goes (default target and draft, q4)")
     fu = sub.add_parser("fused", help="fused attention sublayer vs op by op, interleaved in one process")
     fu.add_argument("--rounds", type=int, default=2)
@@ -424,6 +499,12 @@ def main() -> None:
         runtime_vs_transformers(args.target, args.dtype, args.tokens, args.runs, args.out)
     elif args.what == "dtypes":
         compare_dtypes(args.target, args.dtypes.split(","), args.tokens, args.runs)
+    elif args.what == "llamacpp":
+        result = versus_llamacpp(args.target, args.tokens, args.runs, torch.get_num_threads())
+        print_versus_llamacpp(result)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
     elif args.what == "step":
         step_profile()
     elif args.what == "fused":

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         out = one(results[0]) if len(results) == 1 else {"choices": [one(r) for r in results]}
         out["metrics"] = results[0].batch_metrics.to_dict()
         out["config"] = {"target": gen.target.name, "draft": gen.draft.name if gen.draft else None,
-                         "proposer": spec.method if spec.speculates else None, "k": spec.k, "dtype": args.dtype,
+                         "proposer": spec.method if spec.speculates else None, "k": spec.k, "dtype": gen.target.model.dtype_name,
                          "temperature": args.temperature,
                          "seed": args.seed,
                          "precision": {"target": gen.target.precision,
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"--- [{i}] ---\n{r.text}")
     else:
         print()
-    print(_summary(results[0].batch_metrics.to_dict(), gen, args.dtype, spec), file=sys.stderr)
+    print(_summary(results[0].batch_metrics.to_dict(), gen, gen.target.model.dtype_name, spec), file=sys.stderr)
     return 1 if failed else 0
 
 def _print_text(row: int, text: str) -> None:

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                       steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed,
                       label_top_k=args.label_top_k, answers_only=args.answers_only,
                       chain_share=args.chain_share, feature_noise=args.feature_noise)
-    workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, args.dtype)
+    workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, gen.target.model.dtype_name)
     card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
                answers, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,
                source=source, seq_len=seq_len, extract_only=args.extract_only, new_vocab=args.new_vocab,

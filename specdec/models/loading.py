@@ -31,7 +31,7 @@ from specdec.runtime.model import Transformer
 
 # Bump a format when its quantized layout or recipe changes (it is part of the cache key).
 QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2", "q4k": "q4k-sb256-u8s8-f16-tiles16-gguf-exact-v1",
-                "gguf": "gguf-q4k-q6k-f32-v1"}
+                "gguf": "gguf-q4k-q6k6-f32-v2"}
 DONE = "done"  # marker written last into a converted directory: its files and their sizes
 
 

@@ -4,8 +4,8 @@ A Q6_K superblock (210 bytes) holds 256 weights of one row: 128 bytes of low nib
 bytes of high bit pairs ``qh``, 16 signed 8-bit scales (one per 16 weights) and an fp16 ``d``:
 ``w = d * sc * (u - 32)`` with 6-bit codes ``u``. Such a ``w`` needs at most 11 + 7 + 5
 significant bits, so it is exact in fp32: :meth:`Q6KGrid.dequantize` equals the gguf package's
-dequantization bit for bit (tested), and the kernel multiplies exactly these weights, its codes
-held one per byte (see ``kernels/q6k.cpp`` for the layout and the fixed order of its operations;
+dequantization bit for bit (tested), and the kernel multiplies exactly these weights, in the
+file's 6.56 bits a weight (see ``kernels/q6k.cpp`` for the layout and the fixed order of its operations;
 :func:`reference_linear` repeats them in torch and is tested bit-identical on every instruction
 set this CPU has).
 """
@@ -21,7 +21,8 @@ from specdec.runtime import native
 
 TILE, GROUP, SUPER = 16, 16, 256  # outputs per tile; inputs per scale; inputs per superblock
 BLOCK_BYTES = 210  # a Q6_K superblock in the file
-SB_BYTES = 16 * 256 + 16 * 16 + 2 * 16  # a tile's superblock in the kernel's layout: codes, scales, d
+GROUP_BYTES = 192  # a tile's 16 x 16 codes: two bytes of low nibbles and a quarter byte of top bits per code pair
+SB_BYTES = 16 * GROUP_BYTES + 16 * 16 + 2 * 16  # a tile's superblock in the kernel's layout: codes, scales, d
 
 
 @dataclass
@@ -60,7 +61,7 @@ def decode_blocks(raw: np.ndarray) -> Q6KGrid:
 
 
 def pack(grid: Q6KGrid, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """A grid -> the tensors of a :class:`Q6KLinear`: ``packed`` ``[N16/16, S * 4384]`` (rows
+    """A grid -> the tensors of a :class:`Q6KLinear`: ``packed`` ``[N16/16, S * 3360]`` (rows
     padded to a multiple of 16 with zero weights), ``out_features``, optionally ``bias``."""
     n, k = grid.u.shape
     n16, s = -(-n // TILE) * TILE, k // SUPER
@@ -69,7 +70,10 @@ def pack(grid: Q6KGrid, bias: torch.Tensor | None = None) -> dict[str, torch.Ten
     sc = torch.cat([grid.sc, grid.sc.new_zeros(pad, k // GROUP)]) if pad else grid.sc
     d = torch.cat([grid.d, grid.d.new_zeros(pad, s)]) if pad else grid.d
     nt = n16 // TILE
-    codes = u.view(nt, TILE, s, 16, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [NT, S, group, r, o, t]
+    c = u.view(nt, TILE, s, 16, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [NT, S, group, r, o, t]
+    low = (c[:, :, :, 0::2] & 0x0F) | ((c[:, :, :, 1::2] & 0x0F) << 4)  # [NT, S, group, p, o, t]
+    top = sum(((c[:, :, :, r] >> 4) & 0x03) << (2 * r) for r in range(4))  # [NT, S, group, o, t]
+    codes = torch.cat([low.reshape(nt, s, 16, -1), top.reshape(nt, s, 16, -1)], -1)  # [NT, S, group, 192]
     scales = sc.view(nt, TILE, s, 16).permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [NT, S, group, o]
     ds = d.view(nt, TILE, s).permute(0, 2, 1).contiguous().view(torch.uint8)  # [NT, S, 2 o]
     packed = torch.cat([codes.reshape(nt, s, -1), scales.reshape(nt, s, -1), ds.reshape(nt, s, -1)], -1)
@@ -84,9 +88,14 @@ def unpack(state: dict[str, torch.Tensor]) -> Q6KGrid:
     packed = state["packed"]
     nt, s = packed.shape[0], packed.shape[1] // SB_BYTES
     p = packed.view(nt, s, SB_BYTES)
-    u = p[..., : 16 * 256].reshape(nt, s, 16, 4, TILE, 4).permute(0, 4, 1, 2, 3, 5).reshape(nt * TILE, s * SUPER)
-    sc = p[..., 4096:4352].contiguous().view(torch.int8).reshape(nt, s, 16, TILE).permute(0, 3, 1, 2)
-    d = p[..., 4352:].contiguous().view(torch.float16).reshape(nt, s, TILE).permute(0, 2, 1)
+    codes = p[..., : 16 * GROUP_BYTES].reshape(nt, s, 16, GROUP_BYTES)
+    low, top = codes[..., :128].reshape(nt, s, 16, 2, 64), codes[..., 128:]  # [.., p, 4o + t], [.., 4o + t]
+    rows = [((low[:, :, :, r // 2] >> (4 * (r % 2))) & 0x0F) | (((top >> (2 * r)) & 0x03) << 4) for r in range(4)]
+    c = torch.stack(rows, 3).reshape(nt, s, 16, 4, TILE, 4)  # [NT, S, group, r, o, t]
+    u = c.permute(0, 4, 1, 2, 3, 5).reshape(nt * TILE, s * SUPER)
+    at = 16 * GROUP_BYTES
+    sc = p[..., at : at + 256].contiguous().view(torch.int8).reshape(nt, s, 16, TILE).permute(0, 3, 1, 2)
+    d = p[..., at + 256 :].contiguous().view(torch.float16).reshape(nt, s, TILE).permute(0, 2, 1)
     return Q6KGrid(u.contiguous(), sc.reshape(nt * TILE, s * 16), d.reshape(nt * TILE, s))
 
 
@@ -126,7 +135,7 @@ class Q6KLinear(torch.nn.Module):
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.packed = state["packed"]  # [NT, S * 4384]
+        self.packed = state["packed"]  # [NT, S * 3360]
         self.out_features = int(state["out_features"])
         self.in_features = self.packed.shape[1] // SB_BYTES * SUPER
         bias = state.get("bias")

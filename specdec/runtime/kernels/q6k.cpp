@@ -3,11 +3,15 @@
 // A Q6_K superblock of one row holds 256 weights: 6-bit codes u (0..63), one signed 8-bit scale
 // sc per 16 weights and an fp16 d, with w = d * sc * (u - 32). Every such w is exact in fp32 (at
 // most 11 + 7 + 5 significant bits): the weights multiplied here are the file's, bit for bit as
-// gguf dequantizes them. The codes are held one per byte (a container wider than the type).
+// gguf dequantizes them, in as many bytes as the file's (6.56 bits a weight).
 //
 // Layout, per tile of 16 output channels and superblock of 256 inputs (one contiguous run):
-//   codes [16 groups][256]: group g's byte 64r + 4o + t holds u[o][16g + 4r + t] (r, t = 0..3);
-//   sc [16 groups][16] int8; d [16] fp16 — 4,384 bytes for 4,096 weights. Tiles follow each other.
+//   codes [16 groups][192]: with c(r) = u[o][16g + 4r + t] (r, t = 0..3, o = 0..15), group g's
+//     byte 64p + 4o + t (p = 0, 1) holds the low 4 bits of c(2p) and, above them, of c(2p + 1);
+//     byte 128 + 4o + t holds the top 2 bits of c(0), c(1), c(2), c(3) at bits 0, 2, 4, 6;
+//   sc [16 groups][16] int8; d [16] fp16 - 3,360 bytes for 4,096 weights. Tiles follow each other.
+// Unpacked, the codes of inputs 4r..4r+3 of the 16 outputs are one 64-byte row r (lane o = output
+// o), the operand of the integer dot products below.
 // Activations: each row, each superblock of 256 inputs quantized on its own (xd = max|x| / 127,
 // xq = round-half-even(x / xd) in -127..127) with the code sum of each group of 16 (xs).
 // Per row, output and superblock, exactly in int32 (|.| < 2^29):
@@ -26,8 +30,14 @@
 namespace {
 
 constexpr int64_t kTile = 16, kGroup = 16, kGroups = 16, kSuper = 256;
-constexpr int64_t kCodes = kGroups * 256, kSbBytes = kCodes + kGroups * kTile + 2 * kTile;  // 4384
-int64_t g_prefetch = 4384;  // bytes ahead: one superblock
+constexpr int64_t kGroupBytes = 192, kCodes = kGroups * kGroupBytes, kSbBytes = kCodes + kGroups * kTile + 2 * kTile;  // 3360
+int64_t g_prefetch = 3360;  // bytes ahead: one superblock
+
+// Code c(r) of byte position i (= 4o + t) of a group's packed codes p.
+inline int32_t code(const uint8_t* p, int64_t r, int64_t i) {
+  const int32_t low = (p[64 * (r / 2) + i] >> (4 * (r % 2))) & 0x0F;
+  return low | (((p[128 + i] >> (2 * r)) & 0x03) << 4);
+}
 int g_force_isa = 0;        // tests: 0 = best, 1 = AVX2, 3 = AVX-512 VNNI, 4 = portable
 
 // xq [M, K], xd [M, S], xs [M, K / 16] (int32 code sums of the groups of 16)
@@ -72,7 +82,7 @@ void tiles_portable(int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t N, con
           for (int64_t g = 0; g < kGroups; ++g) {
             int32_t idot = 0;
             for (int64_t r = 0; r < 4; ++r)
-              for (int64_t t = 0; t < 4; ++t) idot += p[g * 256 + 64 * r + 4 * o + t] * xq[g * kGroup + 4 * r + t];
+              for (int64_t t = 0; t < 4; ++t) idot += code(p + g * kGroupBytes, r, 4 * o + t) * xq[g * kGroup + 4 * r + t];
             isc += sc[g * kTile + o] * (idot - 32 * XS[(m * S + s) * kGroups + g]);
           }
           acc = acc + XD[m * S + s] * (_cvtsh_ss(d[o]) * static_cast<float>(isc));
@@ -97,12 +107,17 @@ void tile_avx2(const uint8_t* P, int64_t S, int64_t K, int64_t h, const int8_t* 
     __m256i isc[R];
     for (int i = 0; i < R; ++i) isc[i] = _mm256_setzero_si256();
     for (int64_t g = 0; g < kGroups; ++g) {
-      const uint8_t* codes = p + g * 256 + 32 * h;
+      const uint8_t* codes = p + g * kGroupBytes + 32 * h;
       _mm_prefetch(reinterpret_cast<const char*>(codes) + g_prefetch, _MM_HINT_T0);
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64));
-      const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 128));
-      const __m256i w3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 192));
+      const __m256i lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+      const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 128));
+      const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+      const auto top = [&](int shift) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, shift), m2), 4); };
+      const __m256i w0 = _mm256_or_si256(_mm256_and_si256(lo0, m4), top(0));
+      const __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo0, 4), m4), top(2));
+      const __m256i w2 = _mm256_or_si256(_mm256_and_si256(lo1, m4), top(4));
+      const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), m4), top(6));
       const __m256i scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kCodes + g * kTile + 8 * h)));
       for (int i = 0; i < R; ++i) {
         const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + s * kSuper + g * kGroup);
@@ -162,11 +177,16 @@ void tile_avx512(const uint8_t* P, int64_t S, int64_t K, const int8_t* XQ, const
     __m512i isc[R];
     for (int i = 0; i < R; ++i) isc[i] = _mm512_setzero_si512();
     for (int64_t g = 0; g < kGroups; ++g) {
-      const uint8_t* codes = p + g * 256;
-      for (int64_t line = 0; line < 256; line += 64)
+      const uint8_t* codes = p + g * kGroupBytes;
+      for (int64_t line = 0; line < kGroupBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(codes) + g_prefetch + line, _MM_HINT_T0);
-      const __m512i w0 = _mm512_loadu_si512(codes), w1 = _mm512_loadu_si512(codes + 64);
-      const __m512i w2 = _mm512_loadu_si512(codes + 128), w3 = _mm512_loadu_si512(codes + 192);
+      const __m512i lo0 = _mm512_loadu_si512(codes), lo1 = _mm512_loadu_si512(codes + 64), hi = _mm512_loadu_si512(codes + 128);
+      const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+      const auto top = [&](int shift) { return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, shift), m2), 4); };
+      const __m512i w0 = _mm512_or_si512(_mm512_and_si512(lo0, m4), top(0));
+      const __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo0, 4), m4), top(2));
+      const __m512i w2 = _mm512_or_si512(_mm512_and_si512(lo1, m4), top(4));
+      const __m512i w3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo1, 4), m4), top(6));
       const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kCodes + g * kTile)));
       for (int i = 0; i < R; ++i) {
         const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + s * kSuper + g * kGroup);
@@ -212,14 +232,14 @@ void tiles_avx512(int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t N, const
 
 }  // namespace
 
-// x [..., K] fp32 contiguous (K a multiple of 256), packed [N/16, K/256 * 4384] uint8 -> y [..., N].
+// x [..., K] fp32 contiguous (K a multiple of 256), packed [N/16, K/256 * 3360] uint8 -> y [..., N].
 torch::Tensor q6k_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor bias) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == torch::kFloat && x_in.is_contiguous(), "x must be [..., K] contiguous fp32");
   auto x = x_in.view({-1, x_in.size(-1)});
   const int64_t M = x.size(0), K = x.size(1), NT = packed.size(0), N = NT * kTile, S = K / kSuper;
   TORCH_CHECK(K % kSuper == 0, "Q6_K layers need in_features divisible by 256, got ", K);
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2 &&
-              packed.size(1) == S * kSbBytes, "packed must be [N/16, K/256 * 4384] contiguous uint8");
+              packed.size(1) == S * kSbBytes, "packed must be [N/16, K/256 * 3360] contiguous uint8");
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat), "bias must be [N/16*16] fp32");
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;

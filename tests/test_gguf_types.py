@@ -71,18 +71,23 @@ def test_q6k_reference_is_a_sharp_check():
     assert not torch.equal(q6k.reference_linear(x, state), (x @ w.T))
 
 
-def random_q4k(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Raw Q4_K superblocks: random codes and 6-bit scales, finite d and dmin."""
+def random_q4k(rows: int, cols: int, seed: int, block: int = 144) -> np.ndarray:
+    """Raw Q4_K (144-byte) or Q5_K (176-byte) superblocks: random codes and 6-bit scales, finite
+    d and dmin (their first four bytes)."""
     g = np.random.default_rng(seed)
-    raw = g.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    raw = g.integers(0, 256, size=(rows, cols // 256, block), dtype=np.uint8)
     raw[..., 0:4] = (np.abs(g.standard_normal((rows, cols // 256, 2))) * 1e-3).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
-# How the tiny GGUF stores each linear: the Q4_K_M mix (Q4_K, with v and down as Q6_K) plus a
-# Q8_0 and an F16 tensor, which the gguf dtype runs as their exact fp32 values.
-STORED = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q4_K",
-          "ffn_up": "F16", "ffn_down": "Q6_K"}
+# How the tiny GGUF stores each linear, by layer: the first as Q4_K_M does (Q4_K, v and down as
+# Q6_K, which run in their kernels) with a Q8_0 and an F16 tensor; the second in the other types
+# (run as their exact fp32 values). With the Q6_K output, every type issue 56 names.
+STORED = [{"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q4_K",
+           "ffn_up": "F16", "ffn_down": "Q6_K"},
+          {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "BF16",
+           "ffn_up": "Q5_K", "ffn_down": "F32"}]
+TYPES = sorted({kind for layer in STORED for kind in layer.values()})
 HF_NAME = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
            "ffn_down": "mlp.down_proj"}
@@ -92,15 +97,16 @@ def _stored(kind: str, shape, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(the tensor as the file holds it, its dequantized fp32 weights)."""
     rows, cols = shape
     T = GGMLQuantizationType
-    if kind == "Q4_K":
-        raw = random_q4k(rows, cols, seed)
+    values = (np.random.default_rng(seed).standard_normal(shape) * 0.05).astype(np.float32)
+    if kind in ("Q4_K", "Q5_K"):  # no numpy quantizer for these: random blocks (d and dmin finite)
+        raw = random_q4k(rows, cols, seed, 144 if kind == "Q4_K" else 176)
     elif kind == "Q6_K":
         raw = random_q6k(rows, cols, seed)
-    elif kind == "Q8_0":
-        raw = quants.quantize(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05, T.Q8_0)
-    else:
-        raw = (np.random.default_rng(seed).standard_normal(shape) * 0.05).astype(np.float16)
+    elif kind in ("F32", "F16"):
+        raw = values.astype(np.float32 if kind == "F32" else np.float16)
         return raw, raw.astype(np.float32)
+    else:
+        raw = quants.quantize(values, getattr(T, kind))
     return raw, quants.dequantize(raw, getattr(T, kind))
 
 
@@ -124,13 +130,13 @@ def write_tiny_gguf(tmp_path, arch: str = "qwen2", seed: int = 0):
     writer.add_uint32(f"{arch}.embedding_length", 256)
     heads = {"attn_q": 4, "attn_k": 2} if arch == "llama" else {}
     for i in range(2):
-        for short, kind in STORED.items():
+        for short, kind in STORED[i].items():
             name = f"model.layers.{i}.{HF_NAME[short]}.weight"
             raw, weights = _stored(kind, tuple(state[name].shape), seed=100 * i + len(short))
             if short in heads:
                 raw = raw[_llama_file_rows(raw.shape[0], heads[short])]
             writer.add_tensor(f"blk.{i}.{short}.weight", raw,
-                              raw_dtype=None if kind == "F16" else getattr(GGMLQuantizationType, kind))
+                              raw_dtype=None if kind in ("F16", "F32") else getattr(GGMLQuantizationType, kind))
             with torch.no_grad():
                 hf.get_parameter(name).copy_(torch.from_numpy(weights))
     tops = {"token_embd.weight": "model.embed_tokens.weight"}  # Qwen2's tiny model ties the output to it
@@ -184,13 +190,14 @@ def _weights(layer) -> torch.Tensor:
 
 @pytest.mark.skipif(not q4.available(), reason="the GGUF kernels need AVX2")
 def test_every_runtime_weight_is_the_file_weight_by_default(tiny_gguf, capsys):
-    """No model a user names runs at a lower precision than its file: Q4_K, Q6_K, Q8_0 and F16
-    tensors, loaded by default, are multiplied exactly as gguf dequantizes them (twice: built,
-    then read from the on-disk cache)."""
+    """No model a user names runs at a lower precision than its file: tensors of each of the 11
+    types (F32, F16, BF16, Q8_0, Q6_K, Q5_K, Q5_0, Q5_1, Q4_K, Q4_0, Q4_1), loaded by default, are
+    multiplied exactly as gguf dequantizes them (twice: built, then read from the on-disk cache)."""
     from gguf import GGUFReader
 
     from specdec.models import loading
 
+    assert len(TYPES) == 11
     reader = GGUFReader(str(tiny_gguf))
     stored = {t.name: quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
     if reader.fields["general.architecture"].contents() == "llama":  # q/k rows back in transformers' order
@@ -203,7 +210,8 @@ def test_every_runtime_weight_is_the_file_weight_by_default(tiny_gguf, capsys):
     for attempt in ("built", "cached"):
         model = loading.load(str(tiny_gguf))
         assert model.model.dtype_name == "gguf"
-        assert model.precision == ("gguf: the stored weights exactly (Q4_K, Q6_K in their own kernels; F16, Q8_0 "
+        others = ", ".join(t for t in TYPES if t not in ("Q4_K", "Q6_K"))
+        assert model.precision == (f"gguf: the stored weights exactly (Q4_K, Q6_K in their own kernels; {others} "
                                    "as exact float32 (no native kernel yet))"), attempt
         for i, block in enumerate(model.model.blocks):
             parts = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
@@ -222,6 +230,7 @@ def test_an_explicit_four_bit_dtype_says_what_it_lowers(tiny_gguf, capsys):
 
     model = loading.load(str(tiny_gguf), "q4k")
     lowered = [line for line in capsys.readouterr().err.splitlines() if "re-quantized" in line]
-    assert lowered == [f"specdec: tiny.gguf runs at q4k: Q4_K kept exactly; F16, Q6_K, Q8_0 re-quantized to 4 bits "
+    others = ", ".join(t for t in TYPES if t != "Q4_K")
+    assert lowered == [f"specdec: tiny.gguf runs at q4k: Q4_K kept exactly; {others} re-quantized to 4 bits "
                        f"(q4k) (--dtype float32 multiplies the stored weights)"]
     assert model.precision.startswith("q4k:")

@@ -195,6 +195,7 @@ SHAPE = {"attention.head_count": 4, "embedding_length": 64}
     ("phi3", {"phi3.rope.dimension_count": 8}, (), "partial rotary dimension \\(8 of 16\\)"),
     ("gemma2", {"gemma2.attn_logit_softcapping": 30.0, "gemma2.attention.key_length": 256}, (), "attn_logit_softcapping"),
     ("gemma2", {"gemma2.attention.key_length": 128}, (), "query scale"),
+    ("gemma3", {"gemma3.attention.key_length": 128}, (), "query scale"),
 ])
 def test_a_gguf_whose_conversion_would_drop_something_is_refused_before_the_cache(
         tmp_path, monkeypatch, arch, fields, tensors, message):

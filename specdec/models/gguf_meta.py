@@ -5,7 +5,8 @@ config mapping drops several things llama.cpp stores: rope scaling (``{arch}.rop
 per-frequency rope factors (the ``rope_freqs`` tensor of Llama 3.1+, LongRoPE's
 ``rope_factors_long``/``rope_factors_short`` of Phi-3.5/Phi-4-mini), a partial rotary dimension
 (``{arch}.rope.dimension_count`` below the head size), Gemma 2's softcapping values and its query
-scale. A model converted without them would load and compute something else. :func:`check`
+scale (and Gemma 3's: both assume a head size of 256). A model converted without them would load
+and compute something else. :func:`check`
 refuses such a file with one line naming what is not read, before anything is written to the
 cache; the model's Hugging Face directory (whose config specdec reads in full) is the way to run it.
 
@@ -57,6 +58,8 @@ def check(reader, path: Path) -> None:
         raise refuse(f"a partial rotary dimension ({rotary} of {head_dim})")
     if arch == "gemma2":
         _check_gemma2(reader, head_dim, refuse)
+    if arch in ("gemma2", "gemma3") and head_dim != 256:  # transformers assumes query_pre_attn_scalar = 256
+        raise refuse(f"Gemma's query scale for a head size of {head_dim} (27B models scale by another)")
 
 
 def _check_gemma2(reader, head_dim, refuse) -> None:
@@ -64,8 +67,6 @@ def _check_gemma2(reader, head_dim, refuse) -> None:
         value = _field(reader, f"gemma2.{key}")
         if value is not None and abs(float(value) - assumed) > 1e-6:
             raise refuse(f"a {key} of {value} (transformers' reader assumes {assumed})")
-    if head_dim != 256:  # transformers assumes query_pre_attn_scalar = 256; Gemma 2 27B scales by 144
-        raise refuse(f"Gemma 2's query scale for a head size of {head_dim}")
 
 
 def sliding_window(path: Path) -> int | None:

@@ -1,14 +1,14 @@
-"""What a GGUF file says about its model, checked before it is converted.
+"""What a GGUF file says about its model, beyond what transformers' GGUF reader maps.
 
 specdec converts a GGUF file through transformers' GGUF reader (weights and tokenizer), whose
-config mapping drops several things llama.cpp stores: rope scaling (``{arch}.rope.scaling.*``),
-per-frequency rope factors (the ``rope_freqs`` tensor of Llama 3.1+, LongRoPE's
-``rope_factors_long``/``rope_factors_short`` of Phi-3.5/Phi-4-mini), a partial rotary dimension
-(``{arch}.rope.dimension_count`` below the head size), Gemma 2's softcapping values and its query
-scale (and Gemma 3's: both assume a head size of 256). A model converted without them would load
-and compute something else. :func:`check`
-refuses such a file with one line naming what is not read, before anything is written to the
-cache; the model's Hugging Face directory (whose config specdec reads in full) is the way to run it.
+config mapping drops what llama.cpp stores about rope: its scaling (``{arch}.rope.scaling.*``:
+linear, YaRN), per-frequency factors (the ``rope_freqs`` tensor of Llama 3.1+), LongRoPE's
+``rope_factors_long``/``rope_factors_short`` and a partial rotary dimension (Phi-3.5, Phi-4-mini).
+:func:`rope_settings` reads them into the converted config, so such files load as the model they
+are. What cannot be mapped exactly is refused by :func:`check` with one line naming it, before
+anything is written to the cache: another architecture, a YaRN attention factor (llama.cpp's and
+transformers' differ), partial rotary outside Phi-3, Gemma's softcapping values or query scale
+where they differ from what the reader assumes (Gemma 2/3 27B).
 
 :func:`tensor_types` counts the file's weight matrices by storage type, for the precision notice.
 """
@@ -22,8 +22,7 @@ from specdec.runtime.config import UnsupportedModel
 
 # llama.cpp's architecture names that specdec converts (Mistral files are "llama").
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-ROPE_TENSORS = {"rope_freqs.weight": "per-frequency rope factors (Llama 3.1+ rope scaling)",
-                "rope_factors_long.weight": "LongRoPE factors", "rope_factors_short.weight": "LongRoPE factors"}
+LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")
 # Gemma 2's values that transformers' reader assumes (its config defaults)
 GEMMA2_ASSUMED = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
@@ -41,28 +40,72 @@ def check(reader, path: Path) -> None:
         raise UnsupportedModel(f"{path.name}: GGUF architecture {arch!r} is not supported "
                                f"(specdec converts {', '.join(ARCHITECTURES)})")
     refuse = lambda what: UnsupportedModel(  # noqa: E731
-        f"{path.name}: {what} in this GGUF file are not read by specdec's GGUF conversion yet; "
+        f"{path.name}: {what} in this GGUF file cannot be converted exactly; "
         f"load the model's Hugging Face directory instead (--target DIR)")
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise refuse(f"rope scaling {scaling!r} settings")
-    names = {t.name for t in reader.tensors}
-    for name, what in ROPE_TENSORS.items():
-        if name in names:
-            raise refuse(what)
-    heads = _field(reader, f"{arch}.attention.head_count")
-    head_dim = _field(reader, f"{arch}.attention.key_length") or (
-        _field(reader, f"{arch}.embedding_length") // heads if heads else None)
+    if scaling not in (None, "none", "linear", "yarn", "longrope"):
+        raise refuse(f"rope scaling {scaling!r}")
+    attn_factor = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    if scaling == "yarn" and attn_factor is not None and abs(float(attn_factor) - 1.0) > 1e-6:
+        raise refuse(f"a YaRN attention factor of {attn_factor}")
+    head_dim = _head_dim(reader, arch)
     rotary = _field(reader, f"{arch}.rope.dimension_count")
-    if rotary is not None and head_dim is not None and rotary != head_dim:
+    if rotary is not None and head_dim is not None and rotary != head_dim and arch != "phi3":
         raise refuse(f"a partial rotary dimension ({rotary} of {head_dim})")
     if arch == "gemma2":
-        _check_gemma2(reader, head_dim, refuse)
+        _check_gemma2(reader, refuse)
     if arch in ("gemma2", "gemma3") and head_dim != 256:  # transformers assumes query_pre_attn_scalar = 256
         raise refuse(f"Gemma's query scale for a head size of {head_dim} (27B models scale by another)")
 
 
-def _check_gemma2(reader, head_dim, refuse) -> None:
+def _head_dim(reader, arch: str) -> int | None:
+    heads = _field(reader, f"{arch}.attention.head_count")
+    return _field(reader, f"{arch}.attention.key_length") or (
+        _field(reader, f"{arch}.embedding_length") // heads if heads else None)
+
+
+def _tensor(reader, name: str):
+    return next((t for t in reader.tensors if t.name == name), None)
+
+
+def rope_settings(reader) -> dict:
+    """Config attributes for what the file says about rope (applied to the converted config):
+    ``rope_parameters`` for linear, YaRN and LongRoPE scaling and a partial rotary dimension,
+    ``rope_freq_factors`` for a ``rope_freqs`` tensor (each frequency divided by its factor, as
+    llama.cpp does; :mod:`specdec.runtime.rope`'s ``freq_factors``)."""
+    import numpy as np
+
+    arch = _field(reader, "general.architecture")
+    theta = float(_field(reader, f"{arch}.rope.freq_base") or 10000.0)
+    params: dict = {"rope_type": "default", "rope_theta": theta}
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        params.update(rope_type="linear", factor=float(_field(reader, f"{arch}.rope.scaling.factor")))
+    elif scaling == "yarn":
+        params.update(rope_type="yarn", factor=float(_field(reader, f"{arch}.rope.scaling.factor")),
+                      original_max_position_embeddings=int(original))
+    short, long = (_tensor(reader, name) for name in LONGROPE)
+    if short is not None and long is not None:
+        attn = _field(reader, f"{arch}.rope.scaling.attn_factor")
+        params.update(rope_type="longrope", short_factor=np.asarray(short.data, dtype=float).tolist(),
+                      long_factor=np.asarray(long.data, dtype=float).tolist(),
+                      original_max_position_embeddings=int(original), **({"attention_factor": float(attn)} if attn else {}))
+    head_dim, rotary = _head_dim(reader, arch), _field(reader, f"{arch}.rope.dimension_count")
+    if rotary is not None and head_dim and rotary != head_dim:
+        params["partial_rotary_factor"] = rotary / head_dim
+    out = {"rope_parameters": params} if len(params) > 2 else {}
+    if params["rope_type"] in ("longrope", "yarn"):  # Phi-3's config reads it from here too
+        out["original_max_position_embeddings"] = int(original)
+    if arch == "gemma3" and out:  # scaling applies to the global layers; the local ones keep transformers' default
+        out["rope_parameters"] = {"full_attention": params, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    freqs = _tensor(reader, "rope_freqs.weight")
+    if freqs is not None:
+        out["rope_freq_factors"] = np.asarray(freqs.data, dtype=float).tolist()
+    return out
+
+
+def _check_gemma2(reader, refuse) -> None:
     for key, assumed in GEMMA2_ASSUMED.items():
         value = _field(reader, f"gemma2.{key}")
         if value is not None and abs(float(value) - assumed) > 1e-6:

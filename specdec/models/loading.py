@@ -33,6 +33,9 @@ from specdec.runtime.model import Transformer
 QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2", "q4k": "q4k-sb256-u8s8-f16-tiles16-gguf-exact-v1",
                 "gguf": "gguf-q4k-q6k6-f32-v2"}
 DONE = "done"  # marker written last into a converted directory: its files and their sizes
+# Bump when a conversion's output changes for the same file (part of a user file's conversion key):
+# v2 reads the rope settings transformers' reader drops (gguf_meta.rope_settings).
+CONVERSION = "gguf-conversion-v2"
 
 
 class ModelLoadError(RuntimeError):
@@ -59,7 +62,7 @@ def converted_dir_for(spec: registry.ModelSpec) -> Path:
 
 def _gguf_dir_for(path: Path) -> Path:
     key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
-    return _converted_dir(f"{path.stem}-{key}-{cache.fingerprint([path])}")
+    return _converted_dir(f"{path.stem}-{key}-{cache.fingerprint([path], CONVERSION)}")
 
 
 def is_converted(out: Path) -> bool:
@@ -156,6 +159,10 @@ def _convert(gguf: Path, tmp: Path, out: Path | None = None) -> Path:
         state.pop("lm_head.weight", None)
     save_file(state, str(tmp / "model.safetensors"))
     hf.config.__dict__.pop("quantization_config", None)  # the weights are now plain fp32
+    from gguf import GGUFReader
+
+    for key, value in gguf_meta.rope_settings(GGUFReader(str(gguf))).items():  # what transformers' reader drops
+        setattr(hf.config, key, value)
     if (getattr(hf.config, "sliding_window", None) is not None and getattr(hf.config, "layer_types", None) is None
             and gguf_meta.sliding_window(gguf) is None):
         hf.config.sliding_window = None  # a window the file does not store is a config default (Mistral's 4096), not the model's

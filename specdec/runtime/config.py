@@ -25,6 +25,7 @@ ROPE_KINDS = {
     "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
              "mscale", "mscale_all_dim", "truncate"),
     "longrope": ("short_factor", "long_factor", "factor", "original_max_position_embeddings", "attention_factor"),
+    "freq_factors": ("factors",),  # a GGUF file's rope_freqs: each frequency divided by its factor (Llama 3.1+)
 }
 
 
@@ -128,7 +129,7 @@ class ModelConfig:
         _check_unsupported(hf, model_type, family)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         window, sliding = _sliding(hf, model_type)
-        ropes = _ropes(hf, model_type, head_dim, family)
+        ropes = _with_freq_factors(_ropes(hf, model_type, head_dim, family), hf, model_type)
         gemma = family.gemma_norms
         return cls(
             arch=model_type,
@@ -217,6 +218,20 @@ def _rope(params: dict, model_type: str, head_dim: int, hf, default_theta: float
         kept = tuple(sorted(kept + (("original_max_position_embeddings", int(original)),)))
     theta = float(params.get("rope_theta", default_theta))
     return Rope(theta, dim, kind, kept, int(hf.max_position_embeddings))
+
+
+def _with_freq_factors(ropes: tuple[Rope, Rope | None], hf, model_type: str) -> tuple[Rope, Rope | None]:
+    """A converted GGUF file's per-frequency rope factors (``rope_freq_factors``, written by
+    specdec's conversion from the file's ``rope_freqs`` tensor) on the global rope."""
+    factors = getattr(hf, "rope_freq_factors", None)
+    if not factors:
+        return ropes
+    rope = ropes[0]
+    if rope.kind != "default" or len(factors) != rope.dim // 2:
+        raise UnsupportedModel(f"{model_type}: {len(factors)} rope frequency factors on a {rope.kind!r} rope "
+                               f"of {rope.dim} dimensions")
+    return Rope(rope.theta, rope.dim, "freq_factors", (("factors", tuple(float(f) for f in factors)),),
+                rope.max_positions), ropes[1]
 
 
 def _frozen(value):

@@ -12,6 +12,8 @@ as transformers' rope initialisation (the parity tests compare logits against it
 - ``yarn``: a blend of interpolated and extrapolated frequencies over a ramp between the
   dimensions that turn ``beta_fast`` and ``beta_slow`` times over the original context, and
   ``0.1 ln(factor) + 1`` on cos/sin (Qwen, YaRN);
+- ``freq_factors``: a GGUF file's ``rope_freqs`` (Llama 3.1+ as llama.cpp stores it): each
+  frequency divided by its factor, as llama.cpp computes it;
 - ``longrope``: per-frequency ``short_factor`` divisors (the long ones are never used, see
   :func:`specdec.runtime.config._context_length`) and ``sqrt(1 + ln(factor) / ln(original))``.
 """
@@ -43,6 +45,8 @@ def inv_freq(rope: Rope) -> tuple[torch.Tensor, float]:
         return _yarn(rope)
     if rope.kind == "longrope":
         return _longrope(rope)
+    if rope.kind == "freq_factors":
+        return base / torch.tensor(rope.param("factors"), dtype=torch.float32), 1.0
     raise ValueError(f"rope scaling {rope.kind!r}")  # config.py refuses it first
 
 

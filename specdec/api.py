@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from specdec.cache import notice
 from specdec.prefix_cache import PrefixCache
 from specdec.engine import Engine, Request
 from specdec.runtime.head import DraftHead
@@ -37,6 +38,7 @@ class TextGenerator:
     target: loading.LoadedModel
     draft: loading.LoadedModel | None = None
     eos_token_ids: set[int] = field(default_factory=set)
+    draft_text: bool = False  # the draft has another tokenizer: it drafts text (proposers.text_draft)
     head_path: Path | None = None  # the draft head to use, loaded on first use (see draft_head)
     _head: DraftHead | None = None
     _draft_view: tuple | None = None  # (the draft with its pruned output layer, its ids), built on first use
@@ -52,12 +54,14 @@ class TextGenerator:
             draft = auto_draft(target)
         t = loading.load(target, dtype)
         d = loading.load(draft, draft_dtype or dtype, role="draft") if draft else None
-        if d is not None:
-            check_compatible(t, d)
+        text = d is not None and not same_tokenizer(t, d)
+        if text:
+            notice(f"{d.name} has another tokenizer than {t.name}: it drafts text, which the target's tokenizer "
+                   "turns into deterministic drafts (exact: one-hot q)")
         path = heads.shipped(target) if head == "auto" else head  # matched by the GGUF's sha256, not its name
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"no draft head at {path}")
-        gen = cls(t, d, head_path=Path(path) if path else None)
+        gen = cls(t, d, head_path=Path(path) if path else None, draft_text=text)
         tok = t.tokenizer
         ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
         vocab = tok.get_vocab()
@@ -176,15 +180,9 @@ def _control_strings(tok) -> list[str]:
     return [t.content for t in tok.added_tokens_decoder.values() if t.special]
 
 
-def check_compatible(target: loading.LoadedModel, draft: loading.LoadedModel) -> None:
-    """Draft and target must share the vocabulary: same size and the same token strings."""
-    tv, dv = target.model.vocab_size, draft.model.vocab_size
-    if tv != dv:
-        raise ValueError(f"vocabulary mismatch: target {target.name} has {tv} ids, draft {draft.name} has {dv}")
-    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-    if t_vocab != d_vocab:
-        diff = [tok for tok, i in t_vocab.items() if d_vocab.get(tok) != i][:5]
-        raise ValueError(
-            f"tokenizer mismatch between target {target.name} and draft {draft.name}: "
-            f"token strings differ (e.g. {diff}); speculative decoding needs the same tokenizer"
-        )
+def same_tokenizer(target: loading.LoadedModel, draft: loading.LoadedModel) -> bool:
+    """Whether draft and target share the vocabulary: the same size and every token string with
+    the same id (then the draft drafts target tokens; otherwise it drafts text)."""
+    if target.model.vocab_size != draft.model.vocab_size:
+        return False
+    return target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()

@@ -32,6 +32,7 @@ from specdec.engine import kv_capacity
 from specdec.proposers import (DraftModelProposer, HeadProposer, HeadTreeProposer, HybridProposer, NgramProposer,
                                SuffixProposer)
 from specdec.proposers.suffix import SuffixHistory
+from specdec.proposers.text_draft import TextDraftProposer
 
 
 class Sources(Protocol):
@@ -39,6 +40,7 @@ class Sources(Protocol):
 
     target: object  # LoadedModel: .model is the target Transformer
     draft: object | None  # LoadedModel of the draft model, if one is loaded
+    draft_text: bool  # the draft has another tokenizer than the target: it drafts text
     suffix_history: SuffixHistory  # earlier outputs, shared by the suffix proposers
 
     def draft_head(self): ...  # the target's DraftHead (raises if it has none)
@@ -122,6 +124,10 @@ def copy_lookup(gen: Sources, ngram: tuple[int, int]) -> SuffixProposer:
 
 
 def _draft(gen, config, capacity):
+    """The draft model: drafting target tokens (with their q) when it shares the target's
+    tokenizer, else drafting text that the target's tokenizer turns into deterministic drafts."""
+    if gen.draft_text:
+        return TextDraftProposer(gen.draft.model, gen.draft.tokenizer, gen.target.tokenizer, capacity)
     model, ids = gen.draft_model()
     return DraftModelProposer(model, capacity, vocab_ids=ids, vocab_size=None if ids is None else gen.draft.model.vocab_size)
 
@@ -154,7 +160,7 @@ def _hybrid_tree(gen, config, capacity):
 
 METHODS: dict[str, Method] = {
     "head": Method("the target's draft head", _head, needs_head=True),
-    "draft": Method("the draft model", _draft, needs_draft=True),
+    "draft": Method("the draft model (its text, where its tokenizer is another)", _draft, needs_draft=True),
     "ngram": Method("n-gram prompt lookup", lambda gen, c, cap: NgramProposer(*c.ngram), uses_lookup=True),
     "early-exit": Method("the target's first layers", _early_exit, uses_exit_layer=True),
     # The hybrid's model side is resolved from what is loaded (SpeculationConfig.model_side).

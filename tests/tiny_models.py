@@ -102,16 +102,17 @@ def ours(hf_model, dtype: str = "float32", act_absmax=None) -> Transformer:
     return Transformer(ModelConfig.from_hf(hf_model.config), hf_model.state_dict(), dtype, act_absmax)
 
 
-def char_tokenizer():
+def char_tokenizer(shift: int = 0):
     """A 97-token byte-level BPE over single characters (no merges): every ASCII text encodes,
-    and transformers' Qwen2/Llama tokenizer classes read it back unchanged."""
+    and transformers' Qwen2/Llama tokenizer classes read it back unchanged. ``shift``: character
+    i gets id (i + shift) % 97 (another tokenizer for the same text)."""
     import string
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = (string.ascii_letters + string.digits + string.punctuation)[:95] + "ĠĊ"
-    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, [], unk_token=None))
+    tok = Tokenizer(models.BPE({c: (i + shift) % len(chars) for i, c in enumerate(chars)}, [], unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="!")

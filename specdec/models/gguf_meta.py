@@ -112,11 +112,8 @@ def _check_gemma2(reader, refuse) -> None:
             raise refuse(f"a {key} of {value} (transformers' reader assumes {assumed})")
 
 
-def sliding_window(path: Path) -> int | None:
-    """The attention window ``path`` stores (``{arch}.attention.sliding_window``), or None."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+def sliding_window(reader) -> int | None:
+    """The attention window the file stores (``{arch}.attention.sliding_window``), or None."""
     return _field(reader, f"{_field(reader, 'general.architecture')}.attention.sliding_window")
 
 

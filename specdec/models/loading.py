@@ -161,10 +161,11 @@ def _convert(gguf: Path, tmp: Path, out: Path | None = None) -> Path:
     hf.config.__dict__.pop("quantization_config", None)  # the weights are now plain fp32
     from gguf import GGUFReader
 
-    for key, value in gguf_meta.rope_settings(GGUFReader(str(gguf))).items():  # what transformers' reader drops
+    reader = GGUFReader(str(gguf))
+    for key, value in gguf_meta.rope_settings(reader).items():  # what transformers' reader drops
         setattr(hf.config, key, value)
     if (getattr(hf.config, "sliding_window", None) is not None and getattr(hf.config, "layer_types", None) is None
-            and gguf_meta.sliding_window(gguf) is None):
+            and gguf_meta.sliding_window(reader) is None):
         hf.config.sliding_window = None  # a window the file does not store is a config default (Mistral's 4096), not the model's
     hf.config.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow test-ray models venv fuzz soak
+.PHONY: demo test test-slow test-ray models venv fuzz soak bench-serve bench-prefix bench-replicas bench-kernels
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,3 +58,15 @@ fuzz: $(BIN)/.installed
 soak: models
 	$(BIN)/pip install --quiet -e '.[load]'
 	$(BIN)/python benchmarks/soak/run.py --target smollm2-135m-instruct --minutes 3 --users 16 --out soak-out
+
+# The measurements of docs/BENCHMARKS.md that need servers or the real models (minutes each; run
+# nothing else meanwhile). Reports go to serve-out/, prefix-out/, replica-out/; kernels print.
+bench-serve: models
+	$(BIN)/python benchmarks/serve_bench.py --clients 1,4 --rounds 8 --requests 3 --out serve-out
+bench-prefix: models
+	$(BIN)/python benchmarks/prefix_bench.py --clients 1,4 --rounds 2 --turns 3 --max-tokens 32 --out prefix-out
+bench-replicas: models
+	$(BIN)/pip install --quiet -e '.[ray]'
+	$(BIN)/python benchmarks/replica_bench.py --clients 8 --requests 1 --max-tokens 48 --rounds 2 --out replica-out
+bench-kernels: models
+	$(BIN)/python benchmarks/kernel_threads.py

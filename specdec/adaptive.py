@@ -199,7 +199,7 @@ class AdaptiveK:
         the estimates then describe what asking for k drafts yields, cuts included. Without
         this, a step cut to zero drafts taught the controller nothing, so where the head is
         nearly always cut (translation) it stayed on, paying its catch-up every step, on the
-        acceptance of the rare uncut steps (docs/BENCHMARKS.md §5)."""
+        acceptance of the rare uncut steps (docs/BENCHMARKS.md, "Adaptive k")."""
         self.verify_cost.observe(len(num_accepted) * (k + 1), verify_seconds)
         looked = min(k + 1 if declined else k, self.k_max)  # positions the proposer paid for
         if looked == 0:

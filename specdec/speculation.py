@@ -11,7 +11,8 @@ This module is the one place where these decisions are made (grep for them here)
 * the KV capacity a request needs (:meth:`SpeculationConfig.capacity`, through
   :func:`specdec.engine.kv_capacity`);
 * how each method's proposer is built (:data:`METHODS`);
-* which installed model drafts for a target under ``--draft auto`` (:func:`auto_draft`).
+* which installed model drafts for a target under ``--draft auto`` (:func:`auto_draft`), and
+  whether the default loads one (:func:`default_draft`).
 
 The CLI (generate, serve, profile, verify), the API, the bench and the server build a config here,
 validated once, and hand it on; nothing downstream decides again. ``"none"`` is plain decoding: a
@@ -69,12 +70,22 @@ Builder = Callable[[Sources, "SpeculationConfig", int], object]
 AUTO = "auto"  # --draft auto: the smallest installed model with the target's tokenizer (auto_draft)
 
 
-def auto_draft(target: str) -> str | None:
+def default_draft(target: str, head: bool) -> str | None:
+    """The draft model loaded when the caller names neither a method nor a draft: none for a
+    target with a draft head, else :func:`auto_draft`'s pick (None where there is none: then
+    lookup alone, :data:`LOOKUP_ONLY`). Measured side by side on the 1.5B target with the 0.5B
+    (docs/BENCHMARKS.md, table 2; median of six categories, greedy / T = 0.7): the head's hybrid
+    1.40x / 1.47x, the hybrid over the draft model 1.23x / 1.25x (lowest category 1.09x / 1.03x),
+    lookup alone 1.14x / 1.18x (lowest 0.96x / 0.95x)."""
+    return None if head else auto_draft(target, label="default draft (the target has no draft head): ")
+
+
+def auto_draft(target: str, label: str = "--draft auto: ") -> str | None:
     """The draft for ``target`` under ``--draft auto``: the smallest installed or converted model
     that is smaller than the target and has its tokenizer (the same token -> id map and special
     tokens, :func:`specdec.models.catalog.tokenizer_fingerprint`), or None. Says on stderr in one
-    line which model was chosen and why, or why none was. Whether such a draft pays is adaptive
-    k's to decide each step (it drafts k = 0 where it does not)."""
+    line (starting with ``label``) which model was chosen and why, or why none was. Whether such a
+    draft pays is adaptive k's to decide each step (it drafts k = 0 where it does not)."""
     from specdec.cache import notice
     from specdec.models import catalog, loading, registry
 
@@ -88,10 +99,10 @@ def auto_draft(target: str) -> str | None:
     if not smaller:
         why = (f"{len(same)} with its tokenizer, none smaller" if same
                else f"none of the {len(others)} other installed models has its tokenizer")
-        notice(f"--draft auto: no draft for {Path(target).name} (tokenizer {mine}, {_count(size)} weights): {why}")
+        notice(f"{label}no draft for {Path(target).name} (tokenizer {mine}, {_count(size)} weights): {why}")
         return None
     pick = smaller[0]
-    notice(f"--draft auto: {Path(pick.name).name} ({_count(pick.parameters)} weights) drafts for {Path(target).name} "
+    notice(f"{label}{Path(pick.name).name} ({_count(pick.parameters)} weights) drafts for {Path(target).name} "
            f"({_count(size)}): the smallest of {len(smaller)} installed models with its tokenizer ({mine})")
     return pick.name
 
@@ -273,7 +284,7 @@ class SpeculationConfig:
         if self.requested is not None:
             return f"proposer {self.method}{side} (as asked)"
         if self.model_side == "draft":
-            return "proposer hybrid: lookup where the text repeats, else the draft model (the default with --draft)"
+            return "proposer hybrid: lookup where the text repeats, else the draft model (the default with a draft model)"
         if self.model_side == "head":
             return "proposer hybrid: lookup where the text repeats, else the target's draft head (the default)"
         return (f"no draft head for this target: proposer {LOOKUP_ONLY} (lookup only, nearly free); "

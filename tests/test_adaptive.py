@@ -148,7 +148,7 @@ def test_a_declined_position_counts_as_a_rejected_draft_and_as_draft_time():
 
 
 def test_steps_cut_to_zero_drafts_turn_a_head_that_does_not_pay_off():
-    """Translation's case (docs/BENCHMARKS.md §5): the head is cut before its first draft on most
+    """Translation's case (docs/BENCHMARKS.md, "Adaptive k"): the head is cut before its first draft on most
     steps and rarely accepted otherwise. Counting the cuts, the controller turns it off (plain
     steps, one probe in ``probe_every``); not counting them (stop 41), it saw only the uncut
     steps' acceptance and kept paying a head call every step."""

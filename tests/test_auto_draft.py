@@ -70,3 +70,27 @@ def test_generate_with_draft_auto_is_plain_greedy_with_the_chosen_draft(home, tm
     small = str(home / "converted" / "other-tiny")
     assert main(["generate", "--target", small, "--prompt", "a", "--draft", "auto", "--proposer", "draft"]) == 2
     assert "no installed model can draft" in capsys.readouterr().err
+
+
+def test_the_default_drafts_with_the_found_model_only_without_a_head(home, tmp_path, capsys):
+    """No --draft and no --proposer: a target without a draft head gets the hybrid over the model
+    --draft auto finds (said on stderr), greedy output unchanged; --proposer or --k 0 loads none."""
+    target = str(save_hf_dir(hf_tiny("qwen2", layers=3), tmp_path / "target"))
+    base = ["generate", "--target", target, "--prompt", "abcabc", "--max-new-tokens", "16", "--json", "--dtype", "int8"]
+    assert main(base + ["--proposer", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["token_ids"] == plain["token_ids"]
+    assert out["config"]["draft"] == str(home / "converted" / "same-1layer")
+    assert "default draft (the target has no draft head): same-1layer" in captured.err
+    assert "else the draft model (the default with a draft model)" in captured.err
+    for chosen in (["--proposer", "suffix"], ["--k", "0"]):
+        assert main(base + chosen) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["config"]["draft"] is None and "default draft" not in captured.err
+    smallest = str(home / "converted" / "same-1layer")  # nothing smaller to find: lookup alone, as before
+    assert main(["generate", "--target", smallest, "--prompt", "ab", "--max-new-tokens", "4", "--dtype", "int8"]) == 0
+    err = capsys.readouterr().err
+    assert "default draft (the target has no draft head): no draft for same-1layer" in err and "proposer suffix" in err

@@ -207,37 +207,6 @@ def test_paired_ratios_and_the_sign_test():
     assert abs(paired.sign_test(34, 48) - 0.00552) < 1e-4
 
 
-def test_head_confidence_bins_acceptance_by_the_gate_score():
-    conf = _script("head_confidence")
-    steps = [{"conf": [0.95, 0.9], "accepted": 2}, {"conf": [0.92, 0.1], "accepted": 1},
-             {"conf": [0.05, 0.5], "accepted": 0}, {"conf": [0.03], "accepted": 1}]
-    first = {tuple(r["bin"]): (r["accepted"], r["steps"]) for r in conf.calibration(steps, 1, product=False)}
-    assert first == {(0.9, 1.0): (2, 2), (0.0, 0.05): (1, 1), (0.05, 0.1): (0, 1)}
-    # position 2: only steps whose first draft was accepted reach it; by the product of the two
-    second = {tuple(r["bin"]): (r["accepted"], r["steps"]) for r in conf.calibration(steps, 2, product=True)}
-    assert second == {(0.8, 0.9): (1, 1), (0.05, 0.1): (0, 1)}
-
-
-def test_chain_cut_bench_registers_cut_methods_the_bench_runs_by_their_names():
-    import specdec.speculation as speculation
-
-    cut_bench = _script("chain_cut_bench")
-    saved = dict(speculation.METHODS)
-    try:
-        assert not jobs.known_method("hybrid_head_g0.35")
-        names = cut_bench.add_cut_methods([0.0, 0.35], silent=[0.2])
-        assert names == ["hybrid_head_g0", "hybrid_head_g0.35", "hybrid_head_g0.2_silent"]
-        assert all(jobs.known_method(n) for n in names)  # registered in METHODS: nothing patched in the bench
-        assert jobs._method_spec("hybrid_head_g0", 4) == ("hybrid-head-g0", "auto")
-        assert jobs._method_spec("hybrid_head_g0.2_silent", 4) == ("hybrid-head-g0.2-silent", "auto")
-        assert jobs._method_spec("head_k2", 4) == ("head", 2)  # the bench's own names still resolve
-        assert not jobs.known_method("none")  # plain decoding is the bench's "plain"
-        assert speculation.METHODS["hybrid-head-g0.35"].needs_head
-    finally:
-        speculation.METHODS.clear()
-        speculation.METHODS.update(saved)
-
-
 def test_serve_bench_levels_send_new_prompts_until_the_list_runs_out():
     serve_bench = _script("serve_bench")
     levels = [(0, 1), (0, 4), (1, 1), (1, 4)]
@@ -277,28 +246,9 @@ def test_speed_ceiling_bounds_follow_the_cost_model():
         ceiling.parse_costs("1:1")
 
 
-def test_lookup_replay_match_length_and_the_heads_expected_accepted():
-    replay = _script("lookup_replay")
-    assert replay.match_length([1, 2, 3, 1, 2], 2, 4) == 2
-    assert replay.match_length([1, 2, 3, 4, 9, 1, 2, 3, 4], 2, 4) == 4  # capped at hi, though 4 of 4 repeat
-    assert replay.match_length([1, 2, 3, 4, 9, 2, 3, 4], 2, 4) == 3
-    assert replay.match_length([1, 2, 3, 4, 5], 2, 4) == 0  # no suffix occurred before
-    assert replay.match_length([7, 7], 2, 4) == 0  # the suffix itself is not an earlier occurrence
-    assert replay.match_length([7, 7, 7], 2, 4) == 2  # overlapping occurrences count
-
-    def run(method, accepted, reached, category="code", temperature=0.0):
-        return {"method": method, "category": category, "temperature": temperature,
-                "metrics": {"acceptance": {"accepted_per_position": accepted, "reached_per_position": reached}}}
-
-    runs = [run("head", [1, 1], [2, 1]), run("head", [1, 0], [2, 1]), run("plain", [], []),
-            run("head", [9, 9], [9, 9], category="math"), run("head", [0, 0], [9, 9], temperature=0.7)]
-    # pooled over the two code runs: a1 = 2/4, a2 = 1/2, so E = 0.5 + 0.5 * 0.5
-    assert abs(replay.head_expected_accepted(runs, "code", 0.0) - 0.75) < 1e-12
-    assert replay.head_expected_accepted(runs, "qa", 0.0) is None
-
-
 def test_fit_gap_groups_name_slices_of_own_answers():
-    gap = _script("fit_gap")
+    from specdec.training import fit_gap as gap
+
     name, part = gap.parse_group("seen=sharegpt:222-225")
     assert (name, part.source, list(part.batches)) == ("seen", "sharegpt", [222, 223, 224])
     assert gap.parse_group("x=sharegpt-translate:4")[1].batches == range(0, 4)
@@ -306,81 +256,3 @@ def test_fit_gap_groups_name_slices_of_own_answers():
         with pytest.raises(ValueError):
             gap.parse_group(bad)
 
-
-class _CountingDraft:
-    """A model draft that proposes zeros and keeps what it was fed (the hybrid's queue)."""
-
-    tree_mode, wants_target_hidden, feature_layers = "chains", False, ()
-
-    def __init__(self) -> None:
-        self.fed: list[list[list[int]]] = []
-
-    def add(self, prompts, params, generator, target_hidden=None) -> None:
-        pass
-
-    def propose(self, pending, k, tree=False):
-        import torch
-
-        from specdec.proposers.base import Proposal
-
-        self.fed.append(pending)
-        return Proposal(torch.zeros(len(pending), k, dtype=torch.long), None)
-
-    def observe(self, num_accepted, target_hidden=None) -> None:
-        pass
-
-    def retain(self, rows) -> None:
-        pass
-
-
-def test_source_race_bench_races_lookup_and_draft_where_the_lookup_matches(monkeypatch):
-    """benchmarks/source_race_bench.py's RacingHybrid: where every row's lookup matches, the
-    source that has committed more tokens per second at such steps runs: each is tried first (the
-    lookup, then the draft), then the faster, and every 8th matched step the other. Steps without
-    a match always draft and teach the race nothing; the plain hybrid (the default) drafts with
-    the lookup at every match. A step's seconds run from ``propose`` to the end of ``observe``
-    (a fake clock here)."""
-    import torch
-
-    from specdec.proposers import HybridProposer, NgramProposer
-    from specdec.sampling import SamplingParams
-
-    bench = _script("source_race_bench")
-    clock = [0.0]
-    monkeypatch.setattr(bench, "perf_counter", lambda: clock[0])
-    names = {False: "ngram", True: "draft"}
-
-    def run(hybrid, prompt, tokens, accepted, seconds):
-        hybrid.add([prompt], [SamplingParams(temperature=0.0)], torch.Generator())
-        sources = []
-        for token in tokens:
-            pending = [[token]]  # a new list each step, as the engine's
-            source = hybrid.next_source(pending)
-            assert hybrid.next_source(pending) == source  # asked twice a step: one choice
-            hybrid.propose(pending, 3)
-            clock[0] += seconds[source]
-            hybrid.observe(torch.tensor([accepted[source]]))
-            sources.append(source)
-        return sources
-
-    # The lookup's matches commit 1 token in 10 ms (100 tokens/s), the draft 4 in 20 ms (200 tokens/s).
-    accepted, seconds = {"ngram": 0, "draft": 3}, {"ngram": 0.010, "draft": 0.020}
-    repeats = [1, 2, 1, 2, 1, 2]  # the 2-token lookup always matches
-    draft = _CountingDraft()
-    hybrid = bench.RacingHybrid(NgramProposer(1, 2), draft)
-    sources = run(hybrid, repeats, repeats * 3, accepted, seconds)
-    assert sources[:2] == ["ngram", "draft"]
-    assert sources[2:].count("draft") == 14 and sources[2:].count("ngram") == 2  # steps 8 and 16 explore
-    rates = {names[arm]: hybrid.race.rate(arm) for arm in names}
-    assert rates["draft"] == pytest.approx(200) and rates["ngram"] == pytest.approx(100)
-    assert draft.fed[0] == [[1, 2]]  # the lookup step's token, queued, then the draft step's
-    # The other way round: a lookup committing 4 in 10 ms keeps the lookup.
-    hybrid = bench.RacingHybrid(NgramProposer(1, 2), _CountingDraft())
-    assert run(hybrid, repeats, repeats * 3, {"ngram": 3, "draft": 1}, seconds)[2:].count("ngram") == 14
-    # No match (distinct tokens): the draft, and the race learns nothing.
-    hybrid = bench.RacingHybrid(NgramProposer(2, 2), _CountingDraft())
-    assert set(run(hybrid, [10, 11, 12], [13, 14, 15, 16, 17, 18], accepted, seconds)) == {"draft"}
-    assert hybrid.race.rate(True) is None and hybrid.race.rate(False) is None
-    # The default hybrid: the lookup whenever it matches.
-    assert set(run(HybridProposer(NgramProposer(1, 2), _CountingDraft()), repeats, repeats * 3, accepted,
-                   seconds)) == {"ngram"}

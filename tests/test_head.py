@@ -379,86 +379,80 @@ def test_head_file_round_trip_and_errors(fp32_target, tmp_path):
         HeadConfig.for_target(ours(hf_tiny("gemma3", seed=0), "float32").cfg, 96)
 
 
-def test_a_delta_head_rebuilds_its_head_on_its_base(fp32_target, tmp_path):
-    """A head stored as its base plus a rank-r update per matrix: rebuilt exactly (to fp16) when the
-    update has rank <= r, with the SVD's error otherwise; refused when the base is missing or altered."""
-    from safetensors import safe_open
+def _head_outputs(head: DraftHead, target, seed: int = 0):
+    """The head's subset logits and guessed features for random features and tokens (2 rows of 5)."""
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(2, 5, target.cfg.hidden_size, generator=g)
+    tokens = torch.randint(0, target.vocab_size, (2, 5), generator=g)
+    return head(feats, tokens, head.new_cache(2, 16))
 
-    from specdec.models.heads import save_head_delta
 
-    base_net, new_net = _net(fp32_target, seed=6), _net(fp32_target, seed=6)
-    g = torch.Generator().manual_seed(3)
-    new_state = new_net.export()
-    for name, w in new_state.items():  # a rank-2 change of every matrix, a full change of every vector
-        if w.dim() == 2:
-            w += 0.05 * torch.randn(w.shape[0], 2, generator=g) @ torch.randn(2, w.shape[1], generator=g)
+def test_a_q4k_head_file_computes_what_its_fp16_original_computes_at_q4k(fp32_target, tmp_path):
+    """A head stored in the q4k decomposition (how the head ships) is read back as the exact values
+    of that decomposition, and on the q4k and gguf runtimes, which take the stored decomposition
+    as it is, it computes the fp16 file's bits; at float32 the two files differ (the control)."""
+    from specdec.models.heads import _read
+    from specdec.runtime import q4
+
+    net = _net(fp32_target, seed=6)
+    fp16, packed = tmp_path / "h16.safetensors", tmp_path / "h4.safetensors"
+    save_head(fp16, net.cfg, net.export(), net.vocab_ids, {"note": "t"})
+    save_head(packed, net.cfg, net.export(), net.vocab_ids, {"note": "t"}, weights="q4k")
+    assert packed.stat().st_size < 0.45 * fp16.stat().st_size
+    cfg, state, ids, info, grids = _read(packed)
+    _, state16, _, _ = read_head(fp16)
+    assert cfg == net.cfg and torch.equal(ids, net.vocab_ids) and info == {"note": "t"}
+    for name, value in state16.items():
+        if value.dim() == 2:
+            assert name in grids and torch.equal(state[name], q4.dequantize_q4k(q4.quantize_q4k(value.float()), value.shape[1]))
         else:
-            w += 0.1 * torch.randn(w.shape, generator=g)
-    base = tmp_path / "base.safetensors"
-    save_head(base, base_net.cfg, base_net.export(), base_net.vocab_ids, {})
-    delta = tmp_path / "delta.safetensors"
-    errors = save_head_delta(delta, base, new_state, new_net.vocab_ids, rank=2, info={"note": "d"})
-    assert max(errors.values()) < 1e-3  # what remains is the base's fp16 rounding, full rank
-    cfg, state, ids, info = read_head(delta)
-    assert cfg == base_net.cfg and torch.equal(ids, base_net.vocab_ids) and info == {"note": "d"}
-    for name, value in new_state.items():  # fp16 rounding of the base, of U and V, and of the sum
-        assert torch.allclose(state[name].float(), value, atol=2e-3, rtol=2e-3), name
-
-    low = tmp_path / "low.safetensors"
-    errors = save_head_delta(low, base, new_state, new_net.vocab_ids, rank=1)
-    assert min(errors.values()) > 0.05  # a rank-2 change kept at rank 1 loses one of two directions
-    name = LAYER + "mlp.up_proj.weight"
-    assert (read_head(low)[1][name].float() - new_state[name]).abs().max() > 1e-2
-
-    # int8 factors, a scale per direction: half the bytes of the update, ~1% rounding of each direction
-    small = tmp_path / "int8.safetensors"
-    errors8 = save_head_delta(small, base, new_state, new_net.vocab_ids, rank=2, bits=8)
-    assert 1e-3 < max(errors8.values()) < 0.02  # rounding shows, and stays small
-    state8, base_state = read_head(small)[1], base_net.export()
-    for name, value in new_state.items():  # within 2% of each change: the int8 rounding, plus fp16's of the sum
-        assert (state8[name].float() - value).norm() <= 0.02 * (value - base_state[name]).norm(), name
-    assert not torch.equal(state8[LAYER + "mlp.up_proj.weight"], state[LAYER + "mlp.up_proj.weight"])
-    with safe_open(str(small), framework="pt") as f:
-        assert f.get_tensor(LAYER + "mlp.up_proj.weight.delta_u").dtype == torch.int8
-    with pytest.raises(ValueError, match="bits must be 8 or 16"):
-        save_head_delta(tmp_path / "x.safetensors", base, new_state, new_net.vocab_ids, rank=2, bits=4)
-
-    # the base is looked up beside the delta and checked by sha256
-    base.rename(tmp_path / "moved.safetensors")
-    with pytest.raises(FileNotFoundError, match="update of base.safetensors"):
-        read_head(delta)
-    save_head(base, base_net.cfg, new_state, base_net.vocab_ids, {})  # another base, by construction
-    with pytest.raises(ValueError, match="sha256"):
-        read_head(delta)
-    with pytest.raises(ValueError, match="rank must be >= 1"):
-        save_head_delta(tmp_path / "x.safetensors", base, new_state, new_net.vocab_ids, rank=0)
-    # the vocabulary subset is not trained: a delta stores its own whole
-    unused = next(i for i in range(fp32_target.vocab_size) if i not in set(new_net.vocab_ids.tolist()))
-    wider = torch.cat([new_net.vocab_ids, torch.tensor([unused])]).sort().values
-    save_head(base, base_net.cfg, base_net.export(), base_net.vocab_ids, {})
-    save_head_delta(delta, base, new_state, wider, rank=2)
-    assert torch.equal(read_head(delta)[2], wider)
+            assert name not in grids and torch.equal(state[name], value)
+    for dtype in ("q4k", "gguf"):
+        ref = _head_outputs(DraftHead(cfg, state16, ids, fp32_target, net.lm_rows, dtype), fp32_target)
+        got = _head_outputs(DraftHead(cfg, state, ids, fp32_target, net.lm_rows, dtype, grids), fp32_target)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), dtype
+    # the comparison sees the storage: at float32 the q4k file's values are not the fp16 ones
+    fp = [_head_outputs(DraftHead(cfg, st, ids, fp32_target, net.lm_rows, "float32"), fp32_target)[0]
+          for st in (state16, state)]
+    assert (fp[0] - fp[1]).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="weights must be"):
+        save_head(tmp_path / "x.safetensors", net.cfg, net.export(), net.vocab_ids, weights="int4")
 
 
-def test_the_shipped_head_rebuilds_on_the_base_shipped_beside_it():
-    """The shipped head is a delta (stop 47) of a head that may itself be a delta (stop 48): every
-    base must ship beside it, unchanged (sha256), and a widened head keeps every id of its base."""
+def test_a_head_stored_as_an_update_of_another_is_refused(fp32_target, tmp_path):
+    """The delta-chain format of earlier versions is refused with what to do, never half-read."""
     import json
+
+    from safetensors.torch import save_file
+
+    from specdec.models.heads import FORMAT
+
+    net = _net(fp32_target, seed=6)
+    path = tmp_path / "delta.safetensors"
+    meta = {"format": FORMAT, "config": json.dumps(dataclasses.asdict(net.cfg)), "info": "{}",
+            "base": json.dumps({"file": "base.safetensors", "sha256": "0" * 64})}
+    save_file({"vocab_ids": net.vocab_ids.to(torch.int32)}, str(path), metadata=meta)
+    with pytest.raises(ValueError, match="stored as an update of another"):
+        read_head(path)
+
+
+def test_the_shipped_head_is_one_q4k_file_and_its_card():
+    """specdec/heads/ ships one head file (q4k, under the 20 MB a commit may add) and one card."""
     from importlib import resources
     from pathlib import Path
 
     from specdec.models import heads
+    from specdec.models.heads import _read
 
     (name,) = heads.SHIPPED.values()
     path = Path(str(resources.files("specdec.heads") / name))
-    cfg, state, ids, _ = read_head(path)
-    card = json.loads(path.with_suffix(".json").read_text())
-    _, base_state, base_ids, _ = read_head(path.parent / card["stored_as"]["base"])
-    assert state.keys() == base_state.keys() and ids.numel() >= 16384 and card["drafted_ids"] == ids.numel()
-    assert set(base_ids.tolist()) <= set(ids.tolist())
+    shipped = sorted(p.name for p in path.parent.iterdir() if not p.name.startswith(("__", ".")))
+    assert shipped == sorted([name, name.replace(".safetensors", ".md")])
+    assert path.stat().st_size < 20e6
+    cfg, state, ids, _, grids = _read(path)
+    assert ids.numel() == 20480 and cfg.intermediate_size == 4096
     for key, w in state.items():
-        assert w.dtype == torch.float16 and w.shape == base_state[key].shape and torch.isfinite(w).all(), key
-    assert cfg.hidden_size == 1536 and not torch.equal(state[LAYER + "mlp.up_proj.weight"], base_state[LAYER + "mlp.up_proj.weight"])
+        assert (key in grids) == (w.dim() == 2) and torch.isfinite(w.float()).all(), key
 
 
 def test_vocab_subset_ranks_by_frequency_and_keeps_end_ids():
@@ -702,24 +696,14 @@ def test_a_fused_feature_head_drafts_through_the_engine_token_identically(fp32_t
 
 
 def test_a_shipped_card_renders_its_evaluation(tmp_path):
-    """benchmarks/head_card.py's additions (issue 29, item 6): the bench's acceptance per category
+    """specdec/training/head_card.py's additions (issue 29, item 6): the bench's acceptance per category
     pooled over prompts (accepted / reached per position, median and pooled first position), and
     the card's Markdown shows the held-out sets, the categories and the learning curve."""
-    import importlib.util
     import json
-    import sys
     from pathlib import Path
 
+    from specdec.training import head_card
     from specdec.training.run import card_markdown
-
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("head_card", root / "benchmarks" / "head_card.py")
-        head_card = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(head_card)
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
 
     def run(category, temp, accepted, reached):
         return {"method": "head", "category": category, "temperature": temp, "metrics": {"acceptance": {
@@ -745,8 +729,9 @@ def test_a_shipped_card_renders_its_evaluation(tmp_path):
     assert mixed["categories"]["qa"] == {"per_position": [], "calls": 0, "prompts": 1}
     assert mixed["median_first"] == mixed["pooled_first"] == round(1 / 3, 3)
 
-    card = json.loads((root / "specdec" / "heads" / "qwen2.5-coder-1.5b-instruct.head.json").read_text())
-    assert {"machine", "bench_acceptance", "held_out_eval_sets", "learning_curve"} <= card.keys()  # the shipped one's
+    root = Path(__file__).resolve().parents[1]
+    card = read_head(root / "specdec" / "heads" / "qwen2.5-coder-1.5b-instruct.head.safetensors")[3]  # the shipped training record
+    card |= {"bytes": 16.9e6, "sha256": "ab" * 32}
     scores = {"greedy": [0.3, 0.2], "alpha": [0.25, 0.15], "slots": 100}
     card |= {"machine": "AMD EPYC (avx2 f16c fma)", "bench_acceptance": {"command": "specdec bench", "by_temperature": table},
              "held_out_eval_sets": {"sharegpt": {"by_temperature": {"1.0": scores}}},
@@ -755,11 +740,6 @@ def test_a_shipped_card_renders_its_evaluation(tmp_path):
     assert "Taken on AMD EPYC (avx2 f16c fma)." in text and "**Held-out sharegpt**" in text
     assert "| 0.0 | code | 0.500 / 0.250 | 8 |" in text and "| 0.0 | qa | 0.000 / - | 2 |" in text
     assert "| 0.0 | **median (pooled)** | 0.200 (0.333) | |" in text and "| b | 1,000 | 0.300 / 0.200 |" in text
-    stored = {"base": "b.safetensors", "rank": 256, "bytes": 16e6, "sha256": "ab" * 32, "relative_error": {"fc": 0.5}}
-    assert "16.0 MB, sha256 `" + "ab" * 32 + "`: `b.safetensors` plus a rank-256 update" in card_markdown(
-        card | {"stored_as": stored}, "h.safetensors")
-    assert "`b.safetensors` plus a rank-256 update of each matrix in int8 (" in card_markdown(
-        card | {"stored_as": stored | {"bits": 8}}, "h.safetensors")
     # the drafted ids are the card's record of them (the shipped head widened them in an earlier round)
     assert "output rows for 20480 token ids" in card_markdown(card, "h.safetensors")
     assert "output rows for 96 token ids" in card_markdown(card | {"drafted_ids": 96}, "h.safetensors")

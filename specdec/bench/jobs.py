@@ -60,7 +60,7 @@ FIXED_K = ("ngram", "draft", "head", "head_tree")  # methods that also run as NA
 def known_method(method: str) -> bool:
     """One of :data:`ALL_METHODS`, ``NAME_kN`` for a :data:`FIXED_K` name, or any key of
     :data:`specdec.speculation.METHODS` with ``_`` for ``-`` (adaptive k), which is how a script
-    that registers a method of its own benches it (e.g. benchmarks/chain_cut_bench.py)."""
+    that registers a method of its own benches it."""
     if method in ALL_METHODS or _registered(method):
         return True
     name, _, k = method.rpartition("_k")

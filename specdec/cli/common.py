@@ -64,7 +64,7 @@ def speculation_of(args: argparse.Namespace):
     """The :class:`~specdec.speculation.SpeculationConfig` of generate's and serve's options,
     resolved before anything is loaded; options that would be silently ignored are rejected."""
     from specdec.models import heads
-    from specdec.speculation import METHODS, SpeculationConfig
+    from specdec.speculation import METHODS
 
     if args.draft is not None and args.proposer not in (None, "draft", "hybrid"):
         raise UsageError(f"--draft has no effect with --proposer {args.proposer}")
@@ -77,8 +77,7 @@ def speculation_of(args: argparse.Namespace):
                          "`specdec train-head` and pass it with --head PATH")
     if args.ngram_min is not None and args.ngram_max is not None and args.ngram_min > args.ngram_max:
         raise UsageError(f"--ngram-min ({args.ngram_min}) must be <= --ngram-max ({args.ngram_max})")
-    spec = SpeculationConfig.resolve(args.proposer, draft=bool(args.draft), head=has_head, k_max=args.k_max,
-                                     ngram=(args.ngram_min, args.ngram_max), exit_layer=args.exit_layer)
+    spec = _resolve(args, draft=bool(args.draft), head=has_head)
     if spec.ngram[0] > spec.ngram[1]:  # one size given, beyond the other's default
         raise UsageError(f"--ngram-min ({spec.ngram[0]}) must be <= --ngram-max ({spec.ngram[1]})")
     ignored = [
@@ -93,6 +92,28 @@ def speculation_of(args: argparse.Namespace):
     for flag, unused, needs in ignored:
         if unused:
             raise UsageError(f"{flag} has no effect without {needs}")
+    return spec if args.k is None else spec.with_k(args.k)
+
+
+def _resolve(args: argparse.Namespace, draft: bool, head: bool):
+    from specdec.speculation import SpeculationConfig
+
+    return SpeculationConfig.resolve(args.proposer, draft=draft, head=head, k_max=args.k_max,
+                                     ngram=(args.ngram_min, args.ngram_max), exit_layer=args.exit_layer)
+
+
+def with_default_draft(args: argparse.Namespace, spec):
+    """``spec``, or the default's draft model found for it, once every option is validated (just
+    before loading): for a target without a draft head, where neither a method nor a draft was
+    named, the hybrid over :func:`specdec.speculation.default_draft`'s pick (``args.draft`` set)."""
+    from specdec.speculation import default_draft
+
+    if args.draft is not None or args.proposer is not None or not spec.speculates or spec.uses_head:
+        return spec
+    args.draft = default_draft(args.target, head=False)
+    if args.draft is None:
+        return spec
+    spec = _resolve(args, draft=True, head=False)
     return spec if args.k is None else spec.with_k(args.k)
 
 def resolve_auto_draft(args: argparse.Namespace) -> None:
@@ -142,7 +163,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    "verified exactly in one call): suffix (frequent continuations of the text so far), "
                    "head-tree (the head's dynamic trees), hybrid-tree (suffix when it matches, else head trees); "
                    "or none (plain decoding). With a tree proposer --k is the node budget. Default: hybrid, over "
-                   "the --draft model if given, else over the draft head when the target has one; else none")
+                   "the --draft model if given, else over the draft head when the target has one, else over the "
+                   "smallest installed model with the target's tokenizer (as --draft auto); else suffix (lookup alone)")
     p.add_argument("--head", default=None, metavar="PATH",
                    help="draft head file (from `specdec train-head`; default: the one shipped for --target)")
     p.add_argument("--k", type=k_value, default=None,

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from specdec.cli.common import UsageError, add_model_options, int_at_least, read_prompts, speculation_of
+from specdec.cli.common import (UsageError, add_model_options, int_at_least, read_prompts, speculation_of,
+                                 with_default_draft)
 from specdec.sampling import MAX_TEMPERATURE
 
 
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--system has no effect without --chat")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
     texts = read_prompts(args.prompt)
+    spec = with_default_draft(args, spec)
     gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
     print(f"specdec: {spec.describe()}", file=sys.stderr)
     prompts = [gen.encode(t, args.chat, args.system) for t in texts]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
-from specdec.cli.common import UsageError, add_model_options, int_at_least, megabytes, port, speculation_of
+from specdec.cli.common import (UsageError, add_model_options, int_at_least, megabytes, port, speculation_of,
+                                 with_default_draft)
 from specdec.prefix_cache import PREFIX_CACHE_MB
 
 
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
                          prefix_cache_mb=args.prefix_cache_mb)
     if replicated:
         return _run_replicas(args, spec, config)
+    spec = with_default_draft(args, spec)
+    config = replace(config, speculation=spec)
     gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
     print(f"specdec: {spec.describe()}", file=sys.stderr)
     limit = gen.target.model.cfg.max_position_embeddings
@@ -95,6 +99,8 @@ def _run_replicas(args: argparse.Namespace, spec, config) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // replicas)
+    spec = with_default_draft(args, spec)
+    config = replace(config, speculation=spec)
     replica = ReplicaSpec(args.target, args.draft, args.dtype, args.draft_dtype, args.head or "auto", config,
                           args.served_model_name, threads)
     print(f"specdec: {spec.describe()}; {replicas} replica(s) under Ray Serve, {threads} thread(s) each", file=sys.stderr)

@@ -102,7 +102,7 @@ class HeadProposer(SingleSource):
         """``[B, N]`` subset logits -> the top probability of the head's raw distribution ``[B]``.
         Raw for every row: on the bench's answers at T = 0.7, first drafts whose processed
         distribution's top probability was 0.5-0.6 were accepted 0.22 of the time, those whose
-        raw one's was 0.41 (benchmarks/head_confidence.py; docs/head-eval/head-confidence-*).
+        raw one's was 0.41 (measured by a script since removed: docs/CHANGELOG.md, 'chains cut by the head's confidence').
         No finiteness check here (the drafting loop): a NaN score never cuts, and
         :func:`~specdec.proposers.base.draft_token` refuses non-finite logits of sampled rows."""
         return torch.softmax(subset_logits.float(), -1).amax(-1)

@@ -75,7 +75,11 @@ class DraftHead:
     """The head at inference: quantized, batch invariant, with its own KV cache."""
 
     def __init__(self, cfg: HeadConfig, state: dict[str, torch.Tensor], vocab_ids: torch.Tensor,
-                 target: Transformer, lm_rows: torch.Tensor, dtype: str) -> None:
+                 target: Transformer, lm_rows: torch.Tensor, dtype: str, grids: dict | None = None) -> None:
+        """``dtype``: the target's runtime dtype; under ``gguf`` the head (whose weights are not a
+        GGUF file's) runs as ``q4k``, as that runtime builds a layer without a file's blocks.
+        ``grids``: the q4k decomposition of each stored matrix by parameter name (a q4k head file),
+        taken exactly by the q4k runtime."""
         if target.cfg.vocab_size != cfg.target_vocab_size or target.cfg.hidden_size != cfg.hidden_size:
             raise ValueError(
                 f"this head was trained for a target with vocabulary {cfg.target_vocab_size} and hidden size "
@@ -90,8 +94,10 @@ class DraftHead:
         weights["model.norm.weight"] = target.final_norm
         weights["lm_head.weight"] = lm_rows
         body_cfg = cfg.model_config(len(vocab_ids), target.cfg.max_position_embeddings)
-        self.body = Transformer(body_cfg, weights, dtype)
-        self.fc = LinearBuilder(dtype)("fc", lambda: state["fc.weight"])
+        dtype = "q4k" if dtype == "gguf" else dtype
+        self.body = Transformer(body_cfg, weights, dtype, grids=grids or None)
+        self.fc = LinearBuilder(dtype, grids=grids or None)("fc", lambda: state["fc.weight"],
+                                                            parts=(("fc.weight", cfg.hidden_size),))
         self.body.quantized_state = {}
         self.norm_feature = state["feature_norm.weight"].to(target.act_dtype)
         self.norm_embed = state["embed_norm.weight"].to(target.act_dtype)

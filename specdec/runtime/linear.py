@@ -44,7 +44,7 @@ FOUR_BIT = ("q4", "q4k")  # the two layouts of q4.Q4Linear (per-group scales; in
 # better) — faster than int8 and closer to the GGUF weights (docs/CHANGELOG.md, '4-bit
 # batch-invariant runtime') — in the q4k layout: fewer bytes than q4, a GGUF file's Q4_K tensors
 # kept exactly, and a vector loop for AVX-512 VNNI and (since stop 42) AVX2, where one token is
-# ~6% faster than q4 on Zen 3 and the shipped head is accepted as often (BENCHMARKS §1); else int8.
+# ~6% faster than q4 on Zen 3 and the shipped head is accepted as often (docs/CHANGELOG.md, "q4k has an AVX2 loop"); else int8.
 FAST_DTYPE = "q4k" if q4.available() else "int8"
 # "auto", resolved per model at load (specdec.models.loading.resolve_dtype): a GGUF target at its
 # file's own precision ("gguf": Q4_K and Q6_K in their kernels, other types as exact fp32), other

@@ -294,6 +294,14 @@ def _unpack_q4k(packed: torch.Tensor, g: int) -> tuple[torch.Tensor, ...]:
     return torch.cat(codes, 1), torch.cat(sc, 1), torch.cat(m, 1), torch.cat(d, 1), torch.cat(dmin, 1)
 
 
+def grid_of(packed: torch.Tensor, out_features: int, in_features: int) -> Q4KGrid:
+    """The :class:`Q4KGrid` of a packed q4k weight (``quantize_q4k(w)["packed"]`` of an
+    ``[out_features, in_features]`` weight): the inverse of its packing, padding rows dropped."""
+    codes, sc, m, d, dmin = _unpack_q4k(packed, in_features // GROUP)
+    n = out_features
+    return Q4KGrid(codes[:n], sc[:n], m[:n], d[:n].half(), dmin[:n].half())
+
+
 def dequantize_q4k(state: dict[str, torch.Tensor], in_features: int) -> torch.Tensor:
     """The ``[N, K]`` fp32 weights that a q4k state represents."""
     g = in_features // GROUP

@@ -650,20 +650,12 @@ each given the earlier positions right); the subset covers the target's argmax a
 
 
 def _file_line(card: dict) -> str:
-    """The head's file: its size and sha256, or, for a head stored as an update of another
-    (``benchmarks/head_delta.py``), the stored file's and the full head's it rebuilds."""
-    full = f"{card['bytes'] / 1e6:.1f} MB, sha256 `{card['sha256']}`"
-    stored = card.get("stored_as")
-    if stored is None:
-        return full
-    factors = " in int8" if stored.get("bits") == 8 else ""
-    return (f"{stored['bytes'] / 1e6:.1f} MB, sha256 `{stored['sha256']}`: `{stored['base']}` plus a rank-"
-            f"{stored['rank']} update of each matrix{factors} (the truncated SVD of the trained change; largest relative "
-            f"error {max(stored['relative_error'].values()):.2f}). The head it rebuilds was trained as {full}.")
+    """The head's file: its size and sha256."""
+    return f"{card['bytes'] / 1e6:.1f} MB, sha256 `{card['sha256']}`"
 
 
 def _evaluation_markdown(card: dict) -> str:
-    """The shipping evaluation (``benchmarks/head_card.py``), where the card has one: held-out
+    """The shipping evaluation (``specdec/training/head_card.py``), where the card has one: held-out
     sets, the bench's categories and the learning curve, each per draft position."""
     def pos(values) -> str:
         return " / ".join("-" if v is None else f"{v:.3f}" for v in values)
@@ -674,7 +666,7 @@ def _evaluation_markdown(card: dict) -> str:
     for name, result in card.get("held_out_eval_sets", {}).items():
         rows = "\n".join(f"| {t} | {pos(r['greedy'])} | {pos(r['alpha'])} | {r['slots']} |"
                           for t, r in result["by_temperature"].items())
-        parts.append(f"\n**Held-out {name}** (teacher-forced; `benchmarks/head_eval.py`), per draft position:\n\n"
+        parts.append(f"\n**Held-out {name}** (teacher-forced; `specdec/training/head_eval.py`), per draft position:\n\n"
                      f"| T (sampled) | greedy | sampled | slots |\n|---|---|---|---|\n{rows}")
     bench = card.get("bench_acceptance")
     if bench:

@@ -73,7 +73,7 @@ def test_llamacpp_methods_are_skipped_and_said_so_without_the_extra(tmp_path, mo
                               1, 4, 8)
     assert [r["method"] for r in results["runs"]] == ["plain"]
     report = (tmp_path / "report.md").read_text()
-    assert "llama.cpp methods skipped: llama-cpp-python is not installed (pip install -e '.[llamacpp]')" in report
+    assert "llamacpp_plain, llamacpp_spec skipped: not installed (pip install -e '.[llamacpp]')" in report
 
 
 def test_llamacpp_greedy_check_and_block_costs_in_the_report(tmp_path):
@@ -177,6 +177,40 @@ def test_methods_run_back_to_back_in_alternating_order(tmp_path, monkeypatch):
     assert calls == ["plain", "ngram", "suffix", "suffix", "ngram", "plain", "plain", "ngram", "suffix"]
     assert [r["method"] for r in results["runs"][:3]] == ["plain", "ngram", "suffix"]
     assert "| plain | 1.00x | 1.00x | 1.00x |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_peer_that_is_missing_or_fails_is_reported_in_one_line_and_never_fails_the_bench(tmp_path, monkeypatch):
+    """A peer not installed is skipped; one that raises on this machine (here openvino_spec, as
+    OpenVINO's GGUF reader does on a file with Q5_0 tensors) is dropped after its first error; the
+    other methods run on and the report names both, one line each."""
+    workloads = {"code": {"grounded": True, "prompts": ["p0", "p1"]}}
+    monkeypatch.setattr(jobs, "load_workloads", lambda include_extra=False: workloads)
+    monkeypatch.setattr(jobs.llamacpp, "available", lambda: False)
+    monkeypatch.setattr(jobs.openvino, "available", lambda: True)
+    calls = []
+
+    class FakeBench:
+        def __init__(self, *a, **kw):
+            pass
+
+        def encode(self, prompt):
+            return [1]
+
+        def run(self, method, ids, temperature, seed, stop_at_eos=False):
+            calls.append(method)
+            if method == "openvino_spec":
+                raise jobs.PeerFailed("openvino_spec failed: RuntimeError: [load_gguf] gguf_tensor_to_f16 failed")
+            return {"token_ids": [1, 2], "metrics": {"throughput_tok_s": 10.0, "target_calls_per_token": 1.0}}
+
+    monkeypatch.setattr(jobs, "Bench", FakeBench)
+    methods = ["plain", "openvino_plain", "openvino_spec", "llamacpp_plain"]
+    results = jobs.run_bench(tmp_path, methods, [0.0], None, "t", "d", "int8", 1, 4, 8)
+    assert calls.count("openvino_spec") == 1 and calls.count("openvino_plain") == 2 and "llamacpp_plain" not in calls
+    assert {r["method"] for r in results["runs"]} == {"plain", "openvino_plain"}
+    report = (tmp_path / "report.md").read_text()
+    assert "> llamacpp_plain, llamacpp_spec skipped: not installed (pip install -e '.[llamacpp]')." in report
+    assert "> openvino_spec failed: RuntimeError: [load_gguf] gguf_tensor_to_f16 failed" in report
+    assert "OpenVINO GenAI speculative / prompt lookup" not in report  # no speculative run of it to check
 
 
 def _script(name: str):

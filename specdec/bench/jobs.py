@@ -16,9 +16,14 @@ Methods (``--methods``, comma-separated):
   trees / suffix when it matches, else head trees), node budget chosen each step;
 * ``ngram_kN`` / ``draft_kN`` / ``head_kN`` / ``head_tree_kN`` — fixed k = N (for trees: N nodes);
 * ``llamacpp_plain``, ``llamacpp_spec`` — llama.cpp on the same GGUF file and threads, plain and
-  with its prompt-lookup speculation (optional extra; see :mod:`specdec.bench.llamacpp`). Without
-  the extra they are skipped and the report says so. With them, the report also compares the two
-  runtimes' cost of evaluating 5 tokens against 1 and how far a token's logits move between the two.
+  with its prompt-lookup speculation (optional extra; see :mod:`specdec.bench.llamacpp`). With
+  them, the report also compares the two runtimes' cost of evaluating 5 tokens against 1 and how
+  far a token's logits move between the two.
+* ``openvino_plain``, ``openvino_spec``, ``openvino_lookup`` — OpenVINO GenAI on the same GGUF
+  files and threads (optional extra; see :mod:`specdec.bench.openvino`).
+
+A peer that is not installed is skipped, and one that fails on this machine or these files is
+dropped after its first error; the report says which, in one line each. Neither fails the bench.
 
 Every run is appended to ``runs.jsonl`` in ``--out`` as soon as it finishes, and a rerun skips
 runs already there, so an interrupted bench resumes. At the end ``results.json`` (all runs, the
@@ -40,7 +45,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec.bench import llamacpp
+from specdec.bench import llamacpp, openvino
 from specdec.bench.plots import write_plots
 from specdec.bench.report import write_report
 from specdec.proposers.suffix import SuffixHistory
@@ -50,7 +55,8 @@ from specdec.speculation import METHODS
 ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",
                "early_exit", "hybrid", "ngram_k1", "ngram_k2", "ngram_k4", "ngram_k8",
                "draft_k1", "draft_k2", "draft_k4", "draft_k8", "head", "head_auto", "hybrid_head",
-               "suffix", "head_tree", "hybrid_tree", "llamacpp_plain", "llamacpp_spec"]
+               "suffix", "head_tree", "hybrid_tree", "llamacpp_plain", "llamacpp_spec", *openvino.METHODS]
+PEERS = (llamacpp, openvino)  # optional runtimes: METHODS, available(), INSTALL_HINT
 QUICK_METHODS = ["hf_plain", "hf_assisted", "plain", "draft_auto", "ngram", "hybrid", "ngram_k2", "ngram_k8"]
 
 
@@ -100,7 +106,8 @@ class Bench:
         self.dtype, self.max_new_tokens, self.k, self.k_max = dtype, max_new_tokens, k, k_max
         self._hf = None
         self._llamacpp = None
-        self.target_name = target
+        self._openvino = None
+        self.target_name, self.draft_name = target, draft
 
     def llamacpp(self):
         if self._llamacpp is None:
@@ -108,6 +115,15 @@ class Bench:
 
             self._llamacpp = LlamaCpp(gguf_file(self.target_name), torch.get_num_threads(), 4096, self.k)
         return self._llamacpp
+
+    def openvino(self):
+        if self._openvino is None:
+            from specdec.bench.llamacpp import gguf_file
+            from specdec.bench.openvino import OpenVino
+
+            draft = gguf_file(self.draft_name) if self.draft_name else None
+            self._openvino = OpenVino(gguf_file(self.target_name), draft, torch.get_num_threads(), self.k)
+        return self._openvino
 
     def hf(self):
         if self._hf is None:
@@ -125,6 +141,11 @@ class Bench:
         past the end-of-turn token (text no longer grounded in the input) up to ``max_new_tokens``."""
         if method.startswith("llamacpp_"):
             return self.llamacpp().run(method, prompt_ids, self.max_new_tokens, temperature, seed)
+        if method.startswith("openvino_"):
+            try:
+                return self.openvino().run(method, prompt_ids, self.max_new_tokens, temperature, seed)
+            except Exception as exc:  # a peer's own failure (its file reader, its device plugin)
+                raise PeerFailed(f"{method} failed: {type(exc).__name__}: {_first_line(exc)}") from exc
         if method.startswith("hf_"):
             from specdec.bench.hf import hf_generate
 
@@ -188,28 +209,23 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
                     jobs.append((method, category, i, spec["prompts"][i], temp))
     todo = [j for j in jobs if (j[0], j[1], j[2], j[4]) not in done]
     notes = []
-    wants_llamacpp = any(m in llamacpp.METHODS for m in methods)
-    if wants_llamacpp and not llamacpp.available():
-        notes.append(f"llama.cpp methods skipped: llama-cpp-python is not installed ({llamacpp.INSTALL_HINT}).")
-        jobs = [j for j in jobs if j[0] not in llamacpp.METHODS]
-        todo = [j for j in todo if j[0] not in llamacpp.METHODS]
-    bench = Bench(target, draft, dtype, max_new_tokens, k, k_max, head) if todo or (wants_llamacpp and not notes) else None
-    with open(log, "a") as f:
-        for method, category, i, prompt, temp in tqdm(todo, desc="specdec bench", unit="run"):
-            stops = not ignore_eos or workloads[category].get("stop_at_eos", False)
-            record = {"method": method, "category": category, "prompt": i, "temperature": temp, "stop_at_eos": stops}
-            record.update(bench.run(method, bench.encode(prompt), temp, seed=i, stop_at_eos=stops))
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            done[(method, category, i, temp)] = record
+    for peer_module in PEERS:
+        if any(m in peer_module.METHODS for m in methods) and not peer_module.available():
+            notes.append(f"{', '.join(peer_module.METHODS)} skipped: not installed ({peer_module.INSTALL_HINT}).")
+            jobs = [j for j in jobs if j[0] not in peer_module.METHODS]
+            todo = [j for j in todo if j[0] not in peer_module.METHODS]
+    wants_llamacpp = any(m in llamacpp.METHODS for m in methods) and llamacpp.available()
+    bench = Bench(target, draft, dtype, max_new_tokens, k, k_max, head) if todo or wants_llamacpp else None
+    failed = _run_jobs(bench, todo, workloads, ignore_eos, log, done)
+    notes += list(failed.values())
     peer = None
-    if wants_llamacpp and not notes:  # the block-cost comparison, on the first prompt's tokens
+    if wants_llamacpp:  # the block-cost comparison, on the first prompt's tokens
         ids = bench.encode(next(iter(workloads.values()))["prompts"][0])
         prefix, block = ids[:-5], ids[-5:]
         peer = {"llama.cpp": bench.llamacpp().block_costs(prefix, block),
                 "specdec": llamacpp.specdec_block_costs(bench.gen.target.model, prefix, block),
                 "prefix_tokens": len(prefix)}
-    runs = [done[(j[0], j[1], j[2], j[4])] for j in jobs]
+    runs = [done[(j[0], j[1], j[2], j[4])] for j in jobs if (j[0], j[1], j[2], j[4]) in done]
     env = {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
            "python": platform.python_version(), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "dtype": dtype, "target": target,
@@ -220,3 +236,32 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "report.md").write_text(write_report(results, write_plots(runs, out)))
     return results
+
+
+class PeerFailed(RuntimeError):
+    """A peer runtime failed on this machine or these files (its message: one line)."""
+
+
+def _first_line(exc: Exception) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
+
+
+def _run_jobs(bench, todo: list, workloads: dict, ignore_eos: bool, log: Path, done: dict) -> dict[str, str]:
+    """Run ``todo``, appending each run to ``log`` and ``done``; a peer method that fails is
+    dropped after its first error. Returns {method: its one-line error}."""
+    failed: dict[str, str] = {}
+    with open(log, "a") as f:
+        for method, category, i, prompt, temp in tqdm(todo, desc="specdec bench", unit="run"):
+            if method in failed:
+                continue
+            stops = not ignore_eos or workloads[category].get("stop_at_eos", False)
+            record = {"method": method, "category": category, "prompt": i, "temperature": temp, "stop_at_eos": stops}
+            try:
+                record.update(bench.run(method, bench.encode(prompt), temp, seed=i, stop_at_eos=stops))
+            except PeerFailed as exc:
+                failed[method] = str(exc)
+                continue
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            done[(method, category, i, temp)] = record
+    return failed

@@ -140,12 +140,13 @@ class Bench:
         our methods stop where the answer ends, as a user's request does, instead of generating
         past the end-of-turn token (text no longer grounded in the input) up to ``max_new_tokens``."""
         if method.startswith("llamacpp_"):
-            return self.llamacpp().run(method, prompt_ids, self.max_new_tokens, temperature, seed)
+            eos = frozenset(self.gen.eos_token_ids) if stop_at_eos else frozenset()
+            return self.llamacpp().run(method, prompt_ids, self.max_new_tokens, temperature, seed, eos)
         if method.startswith("openvino_"):
             try:
-                return self.openvino().run(method, prompt_ids, self.max_new_tokens, temperature, seed)
+                return self.openvino().run(method, prompt_ids, self.max_new_tokens, temperature, seed, stop_at_eos)
             except Exception as exc:  # a peer's own failure (its file reader, its device plugin)
-                raise PeerFailed(f"{method} failed: {type(exc).__name__}: {_first_line(exc)}") from exc
+                raise PeerFailed(f"{method} failed: {type(exc).__name__}: {_last_line(exc)}") from exc
         if method.startswith("hf_"):
             from specdec.bench.hf import hf_generate
 
@@ -242,8 +243,10 @@ class PeerFailed(RuntimeError):
     """A peer runtime failed on this machine or these files (its message: one line)."""
 
 
-def _first_line(exc: Exception) -> str:
-    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
+def _last_line(exc: Exception) -> str:
+    """The line of an exception's message that says what failed: its last (OpenVINO's messages
+    start with the C++ call chain and end with the cause)."""
+    return next((line.strip() for line in reversed(str(exc).splitlines()) if line.strip()), "")[:300]
 
 
 def _run_jobs(bench, todo: list, workloads: dict, ignore_eos: bool, log: Path, done: dict) -> dict[str, str]:

@@ -56,7 +56,10 @@ class LlamaCpp:
         self.spec = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))
         self.common = common
 
-    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
+    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+            eos: frozenset[int] = frozenset()) -> dict:
+        """Decode ``prompt_ids``; the answer ends after a token of ``eos`` (the end of the model's
+        turn, as our methods' answers do) or at ``max_new_tokens``."""
         llm = self.spec if method == "llamacpp_spec" else self.plain
         llm.reset()
         llm.set_seed(seed)
@@ -66,7 +69,7 @@ class LlamaCpp:
         for token in llm.generate(prompt_ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0,
                                   repeat_penalty=1.0, reset=True):
             ids.append(int(token))
-            if len(ids) >= max_new_tokens:
+            if len(ids) >= max_new_tokens or ids[-1] in eos:
                 break
         seconds = time.perf_counter() - start
         return {"token_ids": ids, "metrics": {"generated_tokens": len(ids), "total_s": seconds,

@@ -1,11 +1,12 @@
-"""Shared test set-up. Under pytest-xdist (`make test` runs one worker per core), each worker
-uses its share of the cores for torch's threads, so that the workers do not oversubscribe the
-machine."""
+"""Shared test set-up: the fixtures several test files use, and torch's threads. Under
+pytest-xdist (`make test` runs one worker per core), each worker uses its share of the cores for
+torch's threads, so that the workers do not oversubscribe the machine."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -27,3 +28,19 @@ def fresh_home(tmp_path, monkeypatch):
         (home / "kernels").symlink_to(kernels, target_is_directory=True)
     monkeypatch.setenv("SPECDEC_HOME", str(home))
     return home
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An empty ``SPECDEC_HOME`` for this test (:func:`fresh_home`)."""
+    return fresh_home(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory):
+    """A tiny chat model (llama, random weights, a chat template) loaded at int8: the servers'."""
+    from specdec.api import TextGenerator
+    from tiny_models import hf_tiny, save_chat_model_dir
+
+    directory = save_chat_model_dir(hf_tiny("llama", seed=0), tmp_path_factory.mktemp("model"))
+    return TextGenerator.load(str(directory), dtype="int8")

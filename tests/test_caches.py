@@ -29,11 +29,6 @@ def _save(hf, directory: Path) -> Path:
     return save_hf_dir(hf, directory)
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    return fresh_home(tmp_path, monkeypatch)
-
-
 def _logits(loaded) -> torch.Tensor:
     return loaded.model(IDS, loaded.model.new_cache(2, 16))
 

@@ -11,7 +11,6 @@ import pytest
 
 from specdec.cli import main
 from tiny_models import hf_tiny, save_hf_dir
-from conftest import fresh_home
 
 MISSING = "/nonexistent/model"  # options must be rejected before any model is looked for
 
@@ -22,8 +21,8 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    fresh_home(tmp_path, monkeypatch)
+def _every_test_in_an_empty_home(home):
+    """Every test here runs in an empty ``SPECDEC_HOME`` (conftest's ``home``)."""
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -13,25 +13,17 @@ from specdec.proposers import DraftModelProposer
 from specdec.sampling import SamplingParams
 from specdec.session import Session
 from stats import ALPHA, chi_square_pvalue
-from tiny_models import exact_joint, hf_tiny, ours
-
-GREEDY = SamplingParams(temperature=0.0)
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3]]
+from tiny_models import GREEDY, N_SAMPLES, PARAMS, PROMPT, PROMPTS, V_SMALL, hf_tiny, law_joint, ours, perturbed
 
 
-def _perturbed(hf, scale: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return hf
+
 
 
 @pytest.fixture(scope="module")
 def pair():
     """An int8 target and a draft that agrees with it often, but not always."""
     target = ours(hf_tiny("qwen2", seed=0), "int8")
-    draft = ours(_perturbed(hf_tiny("qwen2", seed=0), 0.01, seed=1), "int8")
+    draft = ours(perturbed(hf_tiny("qwen2", seed=0), 0.01, seed=1), "int8")
     return target, draft
 
 
@@ -59,7 +51,7 @@ def test_greedy_is_token_identical_to_plain_decoding(pair, k, batch):
 def test_gemma_and_llama_targets_greedy_identity():
     for arch in ["gemma3", "llama"]:
         target = ours(hf_tiny(arch, seed=0), "int8")
-        draft = ours(_perturbed(hf_tiny(arch, seed=0), 0.01, seed=2), "int8")
+        draft = ours(perturbed(hf_tiny(arch, seed=0), 0.01, seed=2), "int8")
         plain = generate(target, PROMPTS, GREEDY, 30)
         spec = _spec(target, draft, PROMPTS, GREEDY, 30, 4)
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
@@ -157,10 +149,6 @@ def test_non_finite_logits_are_reported(pair, monkeypatch):
 
 # ---- exact sampling: joint law of the first three generated tokens ---------------------------
 
-V_SMALL = 6
-N_SAMPLES = 100_000
-PARAMS = SamplingParams(temperature=0.7, top_k=5)  # top-k puts exact zeros into p and q
-PROMPT = [1, 4, 2]
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +158,6 @@ def small_pair():
     return target, draft
 
 
-def _exact_joint(target) -> torch.Tensor:
-    return exact_joint(target, PROMPT, PARAMS, V_SMALL)
 
 
 def _sampled_joint_counts(target, draft, k) -> tuple[torch.Tensor, float]:
@@ -185,7 +171,7 @@ def _sampled_joint_counts(target, draft, k) -> tuple[torch.Tensor, float]:
 def test_first_three_tokens_follow_the_exact_target_law(small_pair, k):
     """Power: 10^5 samples over <= 216 cells; the negative control below fails with p < 1e-12."""
     target, draft = small_pair
-    joint = _exact_joint(target)
+    joint = law_joint(target)
     counts, acceptance = _sampled_joint_counts(target, draft, k)
     assert 0.1 < acceptance < 0.95  # both branches of the verifier are exercised
     assert chi_square_pvalue(counts, joint) > ALPHA
@@ -195,7 +181,7 @@ def test_negative_control_engine_without_residual_fails(small_pair, monkeypatch)
     target, draft = small_pair
     monkeypatch.setattr(verify_module, "residual_distribution", lambda p, q, tolerance=1e-6: p)
     counts, _ = _sampled_joint_counts(target, draft, 2)
-    assert chi_square_pvalue(counts, _exact_joint(target)) < 1e-12
+    assert chi_square_pvalue(counts, law_joint(target)) < 1e-12
 
 
 @pytest.mark.parametrize("k", [4, 8, "auto"])

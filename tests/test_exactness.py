@@ -114,6 +114,10 @@ def test_cli_profile_runs_on_its_built_in_prompts(tmp_path, monkeypatch, capsys)
     config = json.loads((target / "tokenizer_config.json").read_text())  # built-in prompts are chat
     config["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     (target / "tokenizer_config.json").write_text(json.dumps(config))
-    code = main(["profile", "--target", str(target), "--proposer", "ngram", "--max-new-tokens", "6", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0 and json.loads(out)
+    code = main(["profile", "--target", str(target), "--proposer", "ngram", "--max-new-tokens", "6", "--k-max", "3",
+                 "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["verify_cost_ratio"][0] == 1.0 and len(result["verify_cost_s"]) == 4
+    assert len(result["acceptance_per_position"]) == 3 and all(0 <= a <= 1 for a in result["acceptance_per_position"])
+    assert 0 <= result["recommended_k"] <= 3 and result["draft_to_target_cost_ratio"] >= 0
+    assert result["plain_decode_tok_s"] > 0 and result["measured_speedup"] > 0 and result["predicted_speedup"] > 0

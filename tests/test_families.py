@@ -26,8 +26,7 @@ from specdec.runtime.head import DraftHead, HeadConfig
 from specdec.runtime.model import Transformer
 from specdec.sampling import SamplingParams
 from specdec.training.head_net import HeadNet
-from test_engine import _perturbed
-from tiny_models import FAMILIES, ORIGINAL_CONTEXT, WINDOW, hf_tiny, ours
+from tiny_models import FAMILIES, ORIGINAL_CONTEXT, WINDOW, hf_tiny, ours, perturbed
 
 SEQ = 300
 TOL = 1e-4
@@ -103,7 +102,7 @@ def test_longrope_positions_past_the_original_context_are_refused():
 def family_pair(request):
     family = request.param
     target = ours(hf_tiny(family), "int8")
-    draft = ours(_perturbed(hf_tiny(family), 0.002, seed=1), "int8")  # close enough to be accepted
+    draft = ours(perturbed(hf_tiny(family), 0.002, seed=1), "int8")  # close enough to be accepted
     return family, target, draft
 
 

@@ -10,8 +10,7 @@ from specdec.engine import generate
 from specdec.proposers import DraftModelProposer, HybridProposer, NgramProposer, SuffixProposer
 from specdec.proposers.ngram import NgramIndex
 from stats import ALPHA, chi_square_pvalue
-from test_engine import GREEDY, N_SAMPLES, PARAMS, PROMPT, PROMPTS, V_SMALL, _exact_joint, _perturbed
-from tiny_models import hf_tiny, ours
+from tiny_models import GREEDY, N_SAMPLES, PARAMS, PROMPT, PROMPTS, V_SMALL, hf_tiny, law_joint, ours, perturbed
 
 
 def test_ngram_index_finds_latest_longest_match():
@@ -54,7 +53,7 @@ def _make(kind, target, draft, capacity):
 @pytest.fixture(scope="module")
 def pair():
     target = ours(hf_tiny("qwen2", seed=0), "int8")
-    draft = ours(_perturbed(hf_tiny("qwen2", seed=0), 0.01, seed=1), "int8")
+    draft = ours(perturbed(hf_tiny("qwen2", seed=0), 0.01, seed=1), "int8")
     return target, draft
 
 
@@ -100,7 +99,7 @@ def _proposer_joint_counts(kind):
     counts = torch.bincount((tokens[:, 0] * V_SMALL + tokens[:, 1]) * V_SMALL + tokens[:, 2], minlength=V_SMALL**3)
     acc = rows[0].batch_metrics.acceptance
     assert 0 < acc.accepted < acc.drafted  # both verifier branches exercised
-    return counts, _exact_joint(target)
+    return counts, law_joint(target)
 
 
 @pytest.mark.parametrize("kind", ["ngram", "early-exit", "hybrid", "hybrid-copy", "pruned"])

@@ -90,7 +90,8 @@ def test_answers_are_identical_on_every_replica(cluster, sampling):
     url, _ = cluster
     by = _on_both_replicas(url, {"model": MODEL, "prompt": "hello world", "max_tokens": 24, **sampling})
     texts = {a["choices"][0]["text"] for answers in by.values() for a in answers}
-    assert len(texts) == 1
+    assert len(texts) == 1 and texts != {""}  # one answer, and not an empty one
+    assert all(a["usage"]["completion_tokens"] > 0 for answers in by.values() for a in answers)
 
 
 def _stream(client, prompt: str, max_tokens: int) -> str:

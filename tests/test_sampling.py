@@ -100,10 +100,14 @@ def test_probs_per_row_applies_each_rows_parameters():
         probs_per_row(logits, rows[:2])
 
 
-def test_parameter_boundaries_are_accepted():
-    SamplingParams(temperature=MAX_TEMPERATURE)
-    SamplingParams(temperature=0.0, top_k=0)  # 0 = off, like None
-    SamplingParams(top_p=1.0, min_p=1.0)
+def test_parameter_boundaries_are_accepted_and_mean_what_they_say():
+    logits = torch.randn(2, 11, generator=torch.Generator().manual_seed(1))
+    hot = probs_from_logits(logits, SamplingParams(temperature=MAX_TEMPERATURE))
+    assert torch.allclose(hot.sum(-1), torch.ones(2)) and float(hot.min()) > 0.5 / 11  # near uniform
+    unlimited = SamplingParams(temperature=1.0, top_k=0)  # 0 = off, like None
+    assert torch.equal(probs_from_logits(logits, unlimited), probs_from_logits(logits, SamplingParams(temperature=1.0)))
+    top = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=1.0, min_p=1.0))  # min_p = 1: the top only
+    assert torch.equal((top > 0).sum(-1), torch.ones(2, dtype=torch.long))
 
 
 @pytest.mark.parametrize(

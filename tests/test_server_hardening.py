@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from specdec.server import ServeConfig
-from test_server import MODEL, Server, gen  # noqa: F401  (the tiny model fixture)
+from servers import MODEL, Server
 
 CANARY = {"model": MODEL, "prompt": "canary", "max_tokens": 6, "temperature": 0}
 

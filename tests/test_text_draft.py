@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from specdec.engine import generate
@@ -16,8 +15,7 @@ from specdec.proposers.base import Proposal
 from specdec.proposers.text_draft import TextDraftProposer
 from specdec.sampling import SamplingParams
 from stats import ALPHA, chi_square_pvalue
-from test_engine import N_SAMPLES, PARAMS, PROMPT, V_SMALL, _exact_joint
-from tiny_models import char_tokenizer, hf_tiny, ours, save_hf_dir
+from tiny_models import N_SAMPLES, PARAMS, PROMPT, V_SMALL, char_tokenizer, hf_tiny, law_joint, ours, save_hf_dir
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -58,7 +56,7 @@ def _law_counts(monkeypatch=None, uniform_q=False):
     counts = torch.bincount((tokens[:, 0] * V_SMALL + tokens[:, 1]) * V_SMALL + tokens[:, 2], minlength=V_SMALL**3)
     acc = rows[0].batch_metrics.acceptance
     assert 0 < acc.accepted < acc.drafted  # both verifier branches exercised
-    return counts, _exact_joint(target)
+    return counts, law_joint(target)
 
 
 def test_text_drafts_follow_the_exact_target_law():

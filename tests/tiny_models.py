@@ -10,6 +10,7 @@ import transformers
 
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.model import Transformer
+from specdec.sampling import SamplingParams
 
 
 def hf_tiny(kind: str, vocab: int = 97, seed: int = 0, layers: int = 3, hidden: int = 64):
@@ -160,3 +161,27 @@ def exact_joint(target, prompt: list[int], params, vocab: int):
     for idx, (a, b) in enumerate(pairs):
         joint[a, b] = p1[a] * p2[a, b] * p3[idx]
     return joint
+
+
+# The law tests' shared set-up: a 6-token vocabulary, so that the joint law of the first three
+# tokens (216 cells) is enumerated exactly and compared with 10^5 speculative samples.
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3]]
+V_SMALL = 6
+N_SAMPLES = 100_000
+PARAMS = SamplingParams(temperature=0.7, top_k=5)  # top-k puts exact zeros into p and q
+PROMPT = [1, 4, 2]
+
+
+def law_joint(target) -> torch.Tensor:
+    """The exact joint law ``[V_SMALL] * 3`` of the first three tokens after :data:`PROMPT`."""
+    return exact_joint(target, PROMPT, PARAMS, V_SMALL)
+
+
+def perturbed(hf, scale: float, seed: int):
+    """``hf`` with Gaussian noise of std ``scale`` added to every parameter (a related draft)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return hf

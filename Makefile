@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow test-ray models venv fuzz soak bench-serve bench-prefix bench-replicas bench-kernels
+.PHONY: demo test test-slow test-ray models venv fuzz soak bench-serve bench-prefix bench-replicas bench-kernels bench-join
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -70,3 +70,5 @@ bench-replicas: models
 	$(BIN)/python benchmarks/replica_bench.py --clients 8 --requests 1 --max-tokens 48 --rounds 2 --out replica-out
 bench-kernels: models
 	$(BIN)/python benchmarks/kernel_threads.py
+bench-join: models
+	$(BIN)/python benchmarks/join_prefill.py

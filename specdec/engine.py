@@ -76,6 +76,16 @@ def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:
     return groups
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from their start."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def commit_tokens(res: RowResult, ids: list[int], eos_token_ids, max_new_tokens: int) -> bool:
     """Append a step's committed ``ids`` to one row, stopping at EOS (kept) or at
     ``max_new_tokens``; returns whether the row goes on. (Stop strings are text: the session's,
@@ -303,12 +313,35 @@ class Engine:
             self.prefix.insert(ids[:n], self.cache, i, hidden)
 
     def _join(self) -> list[RowState]:
-        """Prefill the waiting requests that fit, in one target call over just their rows, and
-        commit each one's first token."""
+        """Prefill the waiting requests that fit and commit each one's first token. Rows that
+        share an uncached prefix with another joining row are prefilled after it, in the same
+        step, and take that prefix from the prefix cache (:meth:`_share_prefixes`)."""
         room = len(self.waiting) if self.max_batch is None else self.max_batch - len(self.rows)
         joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         if not joining:
             return []
+        first, then = self._share_prefixes(joining)
+        return self._join_rows(first) + (self._join_rows(then) if then else [])
+
+    def _share_prefixes(self, joining: list[RowState]) -> tuple[list[RowState], list[RowState]]:
+        """(rows to prefill first, rows to prefill after them): a row whose prompt shares at least
+        one whole block more with an earlier first row than the prefix cache holds waits, so that
+        requests joining together (16 cold first turns with one system prompt) prefill the common
+        part once. Exact: a reused prefix's KV is the bits a prefill computes (batch invariance)."""
+        if self.prefix is None or len(joining) < 2:
+            return joining, []
+        block = self.prefix.block
+        first, then = [], []
+        for row in joining:
+            prompt = row.request.prompt
+            cached = len(self.prefix.match(prompt, self.want_hidden)) * block
+            shared = max((common_prefix(prompt, r.request.prompt) for r in first), default=0)
+            usable = min(shared, len(prompt) - 1) // block * block  # (the last token is always prefilled)
+            (then if usable > cached else first).append(row)
+        return first, then
+
+    def _join_rows(self, joining: list[RowState]) -> list[RowState]:
+        """Prefill ``joining`` in target calls over just their rows and commit each one's first token."""
         with self.timer.phase("prefill"):
             joining, logits, hidden, calls = self._prefill(joining)  # [N, 1, V], [N, L, E] or None
         self.metrics.target_calls += calls

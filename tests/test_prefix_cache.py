@@ -141,7 +141,8 @@ def test_greedy_output_is_identical_with_and_without_the_prefix_cache(kind):
     if kind != "none":
         assert warm_p.log == cold_p.log
     assert cold_cached == [[0] * 4] * 3
-    assert warm_cached[0] == [0] * 4  # the first turns join in one prefill: nothing was cached yet
+    # the first turns join together: one prefills the shared system prompt, the others take its 2 blocks
+    assert sorted(warm_cached[0]) == [0, 32, 32, 32]
     assert all(c >= 48 for turn in warm_cached[1:] for c in turn)  # later turns: their history
     assert prefix.stats.hit_tokens == sum(map(sum, warm_cached)) and prefix.stats.lookups == 12
 
@@ -182,3 +183,26 @@ def test_a_row_cut_by_a_stop_string_stores_only_what_it_kept():
     ids = row.request.prompt + row.token_ids  # 9 tokens: 2 blocks
     assert len(prefix) == 2
     assert len(prefix.match(ids + [0], False)) == 2
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9)], ids=["greedy", "sampled"])
+def test_requests_joining_together_prefill_their_common_prefix_once(params):
+    """16 cold requests with one 70-token system prompt join in one step: one prefills it, the
+    other 15 take its 4 whole blocks (64 tokens) from the cache in the same step, and every
+    answer (greedy, or sampled with the request's seed) is the one computed without the cache."""
+    target = ours(hf_tiny("qwen2", seed=0), "int8")
+    system = [(7 * i + 3) % 97 for i in range(70)]
+    prompts = [system + [i % 97, (3 * i + 1) % 97, 5] for i in range(16)]
+
+    def run(prefix):
+        engine = Engine(target, None, capacity=kv_capacity(120, 0, 0), prefix_cache=prefix)
+        rows = [engine.add(Request(p, params, 8, seed=i)) for i, p in enumerate(prompts)]
+        for _ in steps(engine, rows):
+            pass
+        return [r.token_ids for r in rows], [r.result.metrics.cached_prompt_tokens for r in rows]
+
+    cold, cold_cached = run(None)
+    prefix = PrefixCache(2**30)
+    warm, warm_cached = run(prefix)
+    assert warm == cold and cold_cached == [0] * 16
+    assert sorted(warm_cached) == [0] + [64] * 15  # prefilled: 73 + 15 x 9 tokens instead of 16 x 73

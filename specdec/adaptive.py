@@ -135,6 +135,15 @@ class CallCosts:
 K_MAX = 8
 
 
+def check_k(k) -> int | str:
+    """``k`` as the engine, the speculation config and the CLI take it: an integer >= 0 (draft
+    tokens per step, or a tree's node budget) or "auto" (:class:`AdaptiveK`); else ValueError.
+    The one check of k: every boundary that takes one calls it."""
+    if k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+        return k
+    raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
+
+
 @dataclass
 class AdaptiveK:
     k_max: int = K_MAX

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from specdec.adaptive import K_MAX, AdaptiveK, CallCosts, ShapeRace, TreeBudget
+from specdec.adaptive import K_MAX, AdaptiveK, CallCosts, ShapeRace, TreeBudget, check_k
 from specdec.blocks import Block, ChainBlock, RowKind, block_of, row_kind
 from specdec.metrics import GenerationMetrics, Timings
 from specdec.prefix_cache import PrefixCache
@@ -197,12 +197,10 @@ class Engine:
         # trees or chains, measured per source (adaptive k with a proposer that drafts trees)
         self.races: dict[str, ShapeRace] | None = None
         self._source: str | None = None  # the source of this step's proposal
-        if k == "auto":
+        if check_k(k) == "auto":
             self.controllers, k = {}, k_max
             if proposer is not None and proposer.tree_mode != "chains":
                 self.races = {}
-        elif not isinstance(k, int) or k < 0:
-            raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
         if not 0 <= seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {seed}")
         if max_batch is not None and max_batch < 1:
@@ -258,12 +256,16 @@ class Engine:
 
     def cancel(self, row: RowState, reason: str = "cancelled", keep: int | None = None) -> None:
         """Finish ``row`` now (a stop string, a client gone): its output is cut to ``keep`` ids if
-        given; it leaves the batch, freeing its cache row, at the next step."""
+        given, and a cut names how it finished even when this step had already ended it (at EOS
+        or max_new_tokens, after the cut) unless it failed; it leaves the batch, freeing its
+        cache row, at the next step. The one place a row's ``finish_reason`` is set after its step."""
         if keep is not None:
             del row.result.token_ids[keep:]
+            row.result.metrics.generated_tokens = len(row.result.token_ids)
+        if not row.done or (keep is not None and row.result.finish_reason != "error"):
+            row.result.finish_reason = reason
         if not row.done:
             row.done = True
-            row.result.finish_reason = reason
             row.result.metrics.timings.total = time.perf_counter() - row.added_at
         if row in self.waiting:
             self.waiting.remove(row)

@@ -148,8 +148,6 @@ class Session:
         for end in range(text_row.seen + 1, last + 1):
             if stream.stop_at(ids[:end]):
                 self.engine.cancel(row, "stop", keep=end)
-                row.result.finish_reason = "stop"
-                row.result.metrics.generated_tokens = len(ids)
                 return
 
     def final_text(self, text_row: TextRow) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
-from specdec.adaptive import K_MAX
+from specdec.adaptive import K_MAX, check_k
 from specdec.engine import kv_capacity
 from specdec.proposers import (DraftModelProposer, HeadProposer, HeadTreeProposer, HybridProposer, NgramProposer,
                                SuffixProposer)
@@ -225,9 +225,7 @@ class SpeculationConfig:
         k_max = K_MAX if k_max is None else k_max
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
-        k = 0 if name == "none" else (K_DEFAULT if k is None else k)
-        if k != "auto" and (not isinstance(k, int) or k < 0):
-            raise ValueError(f"k must be an integer >= 0 or 'auto', got {k!r}")
+        k = 0 if name == "none" else check_k(K_DEFAULT if k is None else k)
         if exit_layer is not None and exit_layer < 1:
             raise ValueError(f"exit_layer must be >= 1, got {exit_layer}")
         side = ("draft" if draft else "head" if head else "early-exit") if name == "hybrid" else None

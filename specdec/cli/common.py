@@ -21,15 +21,13 @@ def port(text: str) -> int:
     return value
 
 def k_value(text: str):
-    if text == "auto":
-        return "auto"
+    """--k: :func:`specdec.adaptive.check_k` of the text (an integer, or "auto")."""
+    from specdec.adaptive import check_k
+
     try:
-        value = int(text)
+        return check_k(text if text == "auto" else int(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--k must be an integer >= 0 or 'auto', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--k must be >= 0, got {value}")
-    return value
 
 def int_at_least(low: int):
     def parse(text: str) -> int:

@@ -279,11 +279,11 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionBody, request: HTTPRequest):
         texts = _completion_texts(body, self.gen.target.model.vocab_size)
-        self.check_body(body, len(texts or [0]))  # before the tokenizer's work
+        checked = self.check_body(body, len(texts or [0]))  # before the tokenizer's work
         # Tokenizing is CPU work (seconds for a few MB): a worker thread, so /health and the
         # other requests' streams go on meanwhile.
         prompts = [list(body.prompt)] if texts is None else await asyncio.to_thread(self.tokenize, texts)
-        jobs = self.prepare(body, prompts, 16, "prompt")
+        jobs = self.prepare(body, prompts, 16, "prompt", checked)
         self.scheduler.submit(jobs)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -304,14 +304,14 @@ class OpenAIServer:
 
     async def chat(self, body: ChatBody, request: HTTPRequest):
         messages = _chat_messages(body)
-        self.check_body(body, 1)
+        checked = self.check_body(body, 1)
         try:  # the template and the tokenizer in a worker thread (see completions)
             prompt = await asyncio.to_thread(self.gen.encode_chat, messages)
         except ValueError as exc:
             raise BadRequest(str(exc), "messages") from None
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
-        jobs = self.prepare(body, [prompt], None, "messages")
+        jobs = self.prepare(body, [prompt], None, "messages", checked)
         self.scheduler.submit(jobs)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -348,9 +348,11 @@ class OpenAIServer:
                              f"{self.config.max_queue} (max_queue)", "prompt" if prompts > 1 else "n")
         return _params(body), _stops(body)
 
-    def prepare(self, body: _Body, prompts: list[list[int]], default_max: int | None, param: str) -> list[Job]:
-        """One job per prompt and choice, each checked against the engine's limits."""
-        params, stops = self.check_body(body, len(prompts))
+    def prepare(self, body: _Body, prompts: list[list[int]], default_max: int | None, param: str,
+                checked: tuple[SamplingParams, list[str]]) -> list[Job]:
+        """One job per prompt and choice, each checked against the engine's limits; ``checked``:
+        what :meth:`check_body` made of the body (its sampling parameters and stop strings)."""
+        params, stops = checked
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         jobs = []
         for p, prompt in enumerate(prompts):

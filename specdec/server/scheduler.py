@@ -270,15 +270,15 @@ class Scheduler:
 
     def _usage(self, row: RowState) -> dict:
         metrics = row.result.metrics
-        acc = metrics.acceptance
+        own = metrics.to_dict()  # the ratios as metrics.py computes them, once
         n = len(row.token_ids)
         return {"prompt_tokens": len(row.request.prompt), "completion_tokens": n,
                 "cached_tokens": metrics.cached_prompt_tokens,
                 "speculative": {  # an extension: this choice's own speculation, in the three metric classes
-                    "accepted_per_call": acc.accepted / acc.calls if acc.calls else 0.0,
-                    "acceptance_rate": acc.accepted / acc.drafted if acc.drafted else 0.0,
-                    "target_calls_per_token": metrics.target_calls / n if n else 0.0,
-                    "draft_share": acc.accepted / n if n else 0.0,  # share of tokens that were accepted drafts
+                    "accepted_per_call": own["acceptance"]["mean_accepted_per_call"],
+                    "acceptance_rate": own["acceptance"]["acceptance_rate"],
+                    "target_calls_per_token": own["target_calls_per_token"],
+                    "draft_share": metrics.acceptance.accepted / n if n else 0.0,  # share of tokens that were accepted drafts
                     "time_to_first_token_s": metrics.timings.ttft,
                     "total_s": metrics.timings.total}}
 

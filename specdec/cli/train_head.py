@@ -92,11 +92,6 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="train the drafting chains from this random share of the slots, drawn anew each step: "
                         "about this share of the head layer's cost per token, the same expected loss "
                         "(needs --label-top-k; default: %(default)s, every slot)")
-    p.add_argument("--feature-noise", type=float, default=0.0, metavar="SHARE",
-                   help="add Gaussian noise to the target's features the head reads, std SHARE x each feature "
-                        "vector's mean |h| (EAGLE's feature noise, against memorising the training rows; the "
-                        "labels stay clean; needs --label-top-k; 0.1 measured no held-out gain on the shipped "
-                        "head's data, docs/HEAD-TRAINING.md; default: %(default)s, none)")
     p.set_defaults(func=run)
 
 def run(args: argparse.Namespace) -> int:
@@ -144,15 +139,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--chain-share must be in (0, 1], got {args.chain_share}")
     if args.chain_share != 1 and not args.label_top_k:
         raise UsageError("--chain-share needs --label-top-k")
-    if not 0 <= args.feature_noise <= 1:
-        raise UsageError(f"--feature-noise must be in [0, 1], got {args.feature_noise}")
-    if args.feature_noise and not args.label_top_k:
-        raise UsageError("--feature-noise needs --label-top-k")
     gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
     cfg = TrainConfig(vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, passes=args.passes,
                       steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed,
                       label_top_k=args.label_top_k, answers_only=args.answers_only,
-                      chain_share=args.chain_share, feature_noise=args.feature_noise)
+                      chain_share=args.chain_share)
     workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, gen.target.model.dtype_name)
     card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
                answers, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,

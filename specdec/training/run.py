@@ -380,8 +380,7 @@ def _loss_options(cfg: TrainConfig) -> str:
     """The command-line options of ``cfg``'s loss, as a card records them."""
     return ((f" --label-top-k {cfg.label_top_k}" if cfg.label_top_k else "")
             + (" --answers-only" if cfg.answers_only else "")
-            + (f" --chain-share {cfg.chain_share:g}" if cfg.chain_share != 1 else "")
-            + (f" --feature-noise {cfg.feature_noise:g}" if cfg.feature_noise else ""))
+            + (f" --chain-share {cfg.chain_share:g}" if cfg.chain_share != 1 else ""))
 
 
 def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int | range, eos_ids, encode_chat,
@@ -536,7 +535,6 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
             "own_train": len(own_train), "own_held_out": len(own_held), "corpus_mixed_in": len(train_ids) - len(own_train),
             "temperatures": _temperatures_used(answers), "answers_only": header is not None,
             "steps": steps, "lr": ft_cfg.lr, "chain_share": ft_cfg.chain_share, "precision": precision(),
-            **({"feature_noise": ft_cfg.feature_noise} if ft_cfg.feature_noise else {}),
             "seconds": round(log["seconds"], 1),
             "generate_seconds_this_run": round(generate_s, 1),
             "held_out_own_answers_before": before, "held_out_own_answers_after": after}
@@ -575,7 +573,6 @@ def _stage2_line(f: dict, title: str, init: dict | None) -> str:
         f"{f.get('temperatures', 'greedy')}, features recorded while it generated); {f['steps']} fine-tuning steps at "
         f"lr {f['lr']:g} on them"
         + (f", chains from {f['chain_share']:g} of the slots" if f.get("chain_share", 1) != 1 else "")
-        + (f", feature noise {f['feature_noise']:g}" if f.get("feature_noise") else "")
         + (f", in {f['precision']}" if "precision" in f else "")  # a stage's own; the card's top level is stage 1's
         + (" mixed with as many corpus sequences" if f.get("corpus_mixed_in") else "")
         + (f", starting from `{init['file']}` (sha256 `{init['sha256'][:16]}…`)" if init else "")

@@ -46,10 +46,6 @@ class TrainConfig:
     # with label_top_k: train the drafting chains of this share of the slots, drawn anew each step
     # (pass_losses_top_k): ~this share of the layer's cost per token, the same expected loss
     chain_share: float = 1.0
-    # with label_top_k: Gaussian noise added to the target's features the head reads (not to those
-    # its labels are read from), std this share of each feature vector's mean |h| (EAGLE's feature
-    # noise): a regulariser against memorising the training rows (see :func:`noisy_features`)
-    feature_noise: float = 0.0
 
 
 def split(num_sequences: int, every: int) -> tuple[list[int], list[int]]:
@@ -184,7 +180,7 @@ def answer_mask(tokens: torch.Tensor, header: list[int], ends: set[int], last_on
 
 def pass_losses_top_k(net: HeadNet, tokens, feats, lengths, passes: int, k: int,
                       trained: torch.Tensor | None = None, chain_share: float = 1.0,
-                      generator: torch.Generator | None = None, feature_noise: float = 0.0) -> list[torch.Tensor]:
+                      generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """:func:`pass_losses` with the target's top-``k`` labels, computed only where it trains,
     along drafting chains from a random ``chain_share`` of the slots.
 
@@ -202,8 +198,7 @@ def pass_losses_top_k(net: HeadNet, tokens, feats, lengths, passes: int, k: int,
     the same probability, so each pass's mean loss estimates the mean over all its slots (a ratio
     estimate: the number of sampled slots varies a little, its bias shrinks as 1/n), at about
     ``chain_share`` of the layer's cost (all but its input projection). ``chain_share = 1``: every chain, the loss
-    over every labelled slot. ``feature_noise``: the head reads :func:`noisy_features` (drawn by
-    ``generator`` after the anchors); the labels are read from the clean features."""
+    over every labelled slot."""
     if not 0 < chain_share <= 1:
         raise ValueError(f"chain_share must be in (0, 1], got {chain_share}")
     bsz, length = tokens.shape
@@ -230,8 +225,7 @@ def pass_losses_top_k(net: HeadNet, tokens, feats, lengths, passes: int, k: int,
             probs = torch.softmax(top.values, -1)
             slot_index = torch.full(inside.shape, -1, dtype=torch.long)
             slot_index[needed] = torch.arange(int(needed.sum()))
-        head_in = noisy_features(feats, net.cfg.hidden_size, feature_noise, generator) if feature_noise else feats
-        outs = net.chains(head_in, tokens, anchors, passes)  # passes x [B, n, E]
+        outs = net.chains(feats, tokens, anchors, passes)  # passes x [B, n, E]
         losses = []
         for out, (s, valid) in zip(outs, steps):
             if not bool(valid.any()):
@@ -242,23 +236,6 @@ def pass_losses_top_k(net: HeadNet, tokens, feats, lengths, passes: int, k: int,
             ce = torch.logsumexp(z, -1) - (probs[row] * z.gather(-1, top.indices[row])).sum(-1)
             losses.append(ce.mean())
     return losses
-
-
-def noisy_features(feats: torch.Tensor, hidden_size: int, share: float,
-                   generator: torch.Generator | None) -> torch.Tensor:
-    """``feats`` ``[B, L, G E]`` plus Gaussian noise whose std is ``share`` x the mean |h| of each
-    E-wide feature vector (each of a fused feature's G blocks on its own scale).
-
-    Why relative to the mean |h|: the target's last hidden state has a few outlier dimensions
-    (|h| in the hundreds where the median is ~2-10) and its scale varies by token, so a fixed std
-    (EAGLE's uniform noise) would drown some tokens and not touch others. Why at all: a head
-    trained ~1.6 passes over its rows accepts ~0.1 more on those rows than on unseen ones
-    (HEAD-TRAINING 'The fit gap'), and noise on its input is EAGLE's guard against such
-    memorising. Measured there at 0.1 against none, at equal compute: no held-out gain (+0.001)."""
-    x = feats.float().unflatten(-1, (-1, hidden_size))  # [B, L, G, E]
-    scale = x.abs().mean(-1, keepdim=True) * share  # [B, L, G, 1]
-    noise = torch.randn(x.shape, generator=generator) * scale
-    return (x + noise).flatten(-2).to(feats.dtype)
 
 
 def _draw_anchors(candidates: torch.Tensor, share: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -299,17 +276,14 @@ def train(net: HeadNet, data: Dataset, train_ids: list[int], cfg: TrainConfig, c
         raise ValueError("answers_only needs label_top_k > 0 and the chat template's answer_header")
     if cfg.chain_share != 1 and not cfg.label_top_k:
         raise ValueError("chain_share < 1 needs label_top_k > 0 (the sampled chains are trained with top-k labels)")
-    if cfg.feature_noise < 0:
-        raise ValueError(f"feature_noise must be >= 0, got {cfg.feature_noise}")
-    if cfg.feature_noise and not cfg.label_top_k:
-        raise ValueError("feature_noise > 0 needs label_top_k > 0 (the noise is drawn in pass_losses_top_k)")
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     step, log = 0, {"loss": [], "seconds": 0.0}
     start_key = run_start_key(net, data, train_ids)
     if checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
-        if {"feature_noise": 0.0, **state["train_config"]} != asdict(cfg):  # checkpoints from before feature_noise
+        made = {k: v for k, v in state["train_config"].items() if (k, v) != ("feature_noise", 0.0)}  # (a removed option)
+        if made != asdict(cfg):
             raise ValueError(f"{checkpoint} was made with other settings {state['train_config']}; remove it to start over")
         if state.get("start") != start_key:
             raise ValueError(f"{checkpoint} is another run's: it started from another head or trains on other data "
@@ -333,7 +307,7 @@ def train(net: HeadNet, data: Dataset, train_ids: list[int], cfg: TrainConfig, c
             trained = answer_mask(tokens, answer_header, ends or set()) if cfg.answers_only else None
             chains = torch.Generator().manual_seed(2**40 + cfg.seed * 1_000_003 + step)  # a function of the step: resumable
             losses = pass_losses_top_k(net, tokens, feats, lengths, cfg.passes, cfg.label_top_k, trained,
-                                       cfg.chain_share, chains, cfg.feature_noise)
+                                       cfg.chain_share, chains)
         else:
             losses = pass_losses(net, tokens, feats, lengths, cfg.passes)
         loss = sum(losses) / len(losses)

@@ -351,20 +351,30 @@ def kernel():
     return native.kernel("q4")
 
 
-class Q4Linear(torch.nn.Module):
-    """A linear layer with 4-bit weights; see the module docstring."""
+class PackedLinear(torch.nn.Module):
+    """A linear layer over packed integer weights in rows of 16 (``state``'s ``packed``,
+    ``out_features``, optional ``bias``), computed by a C++ kernel ``run(x, packed, bias)`` on
+    float32 input: the wrapper the q4/q4k and q6k layers share."""
 
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, state: dict[str, torch.Tensor], in_features: int, run) -> None:
         super().__init__()
-        self.packed = state["packed"]  # [NT, G, 320] (q4) or [NT, tile bytes] (q4k)
-        self.out_features = int(state["out_features"])
-        self.in_features = self.packed.shape[1] * GROUP if self.packed.dim() == 3 else int(state["in_features"])
+        self.packed = state["packed"]
+        self.out_features, self.in_features = int(state["out_features"]), in_features
         bias = state.get("bias")
         self.bias = bias if bias is not None else torch.empty(0)
-        self._k = kernel()
+        self._run = run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
-        y = self._k.q4_linear(x, self.packed, self.bias)  # [..., N16]
+        y = self._run(x, self.packed, self.bias)  # [..., N16]
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
+
+
+class Q4Linear(PackedLinear):
+    """A linear layer with 4-bit weights; see the module docstring."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        packed = state["packed"]  # [NT, G, 320] (q4) or [NT, tile bytes] (q4k)
+        in_features = packed.shape[1] * GROUP if packed.dim() == 3 else int(state["in_features"])
+        super().__init__(state, in_features, kernel().q4_linear)

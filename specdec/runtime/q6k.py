@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from specdec.runtime import native
+from specdec.runtime.q4 import PackedLinear
 
 TILE, GROUP, SUPER = 16, 16, 256  # outputs per tile; inputs per scale; inputs per superblock
 BLOCK_BYTES = 210  # a Q6_K superblock in the file
@@ -130,20 +131,9 @@ def kernel():
     return native.kernel("q6k")
 
 
-class Q6KLinear(torch.nn.Module):
+class Q6KLinear(PackedLinear):
     """A linear layer over a GGUF Q6_K weight, its weights exactly the file's."""
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.packed = state["packed"]  # [NT, S * 3360]
-        self.out_features = int(state["out_features"])
-        self.in_features = self.packed.shape[1] // SB_BYTES * SUPER
-        bias = state.get("bias")
-        self.bias = bias if bias is not None else torch.empty(0)
-        self._k = kernel()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()
-        y = self._k.q6k_linear(x, self.packed, self.bias)  # [..., N16]
-        return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
+        in_features = state["packed"].shape[1] // SB_BYTES * SUPER  # packed: [NT, S * 3360]
+        super().__init__(state, in_features, kernel().q6k_linear)

@@ -152,13 +152,10 @@ def test_stop_at_eos_ends_a_run_where_the_answer_ends(tmp_path):
     assert bench.run("plain", prompt, 0.0, seed=0)["token_ids"] == full  # the flag does not stick
 
 
-def test_methods_run_back_to_back_in_alternating_order(tmp_path, monkeypatch):
-    """Each prompt runs every method back to back, in reversed order on every other prompt (the
-    machine's speed drifts: a fixed order would favour the same methods); the report keeps the
-    methods in the order they were asked for."""
-    workloads = {"code": {"grounded": True, "prompts": ["p0", "p1"]}, "qa": {"grounded": True, "prompts": ["q0"]}}
-    monkeypatch.setattr(jobs, "load_workloads", lambda include_extra=False: workloads)
-    calls = []
+def _fake_bench(monkeypatch, failures: dict[str, str] | None = None) -> list[str]:
+    """Replace the bench's runner: every run answers [1, 2] at 10 tok/s, a method in ``failures``
+    raises PeerFailed with its message. Returns the list of methods run, in order."""
+    calls: list[str] = []
 
     class FakeBench:
         def __init__(self, *a, **kw):
@@ -169,9 +166,21 @@ def test_methods_run_back_to_back_in_alternating_order(tmp_path, monkeypatch):
 
         def run(self, method, ids, temperature, seed, stop_at_eos=False):
             calls.append(method)
+            if method in (failures or {}):
+                raise jobs.PeerFailed(failures[method])
             return {"token_ids": [1, 2], "metrics": {"throughput_tok_s": 10.0, "target_calls_per_token": 1.0}}
 
     monkeypatch.setattr(jobs, "Bench", FakeBench)
+    return calls
+
+
+def test_methods_run_back_to_back_in_alternating_order(tmp_path, monkeypatch):
+    """Each prompt runs every method back to back, in reversed order on every other prompt (the
+    machine's speed drifts: a fixed order would favour the same methods); the report keeps the
+    methods in the order they were asked for."""
+    workloads = {"code": {"grounded": True, "prompts": ["p0", "p1"]}, "qa": {"grounded": True, "prompts": ["q0"]}}
+    monkeypatch.setattr(jobs, "load_workloads", lambda include_extra=False: workloads)
+    calls = _fake_bench(monkeypatch)
     results = jobs.run_bench(tmp_path, ["plain", "ngram", "suffix"], [0.0], None, "t", "d", "int8", 1, 4, 8)
     # code p0, qa q0 (prompt index 0), then code p1
     assert calls == ["plain", "ngram", "suffix", "suffix", "ngram", "plain", "plain", "ngram", "suffix"]
@@ -187,29 +196,15 @@ def test_a_peer_that_is_missing_or_fails_is_reported_in_one_line_and_never_fails
     monkeypatch.setattr(jobs, "load_workloads", lambda include_extra=False: workloads)
     monkeypatch.setattr(jobs.llamacpp, "available", lambda: False)
     monkeypatch.setattr(jobs.openvino, "available", lambda: True)
-    calls = []
-
-    class FakeBench:
-        def __init__(self, *a, **kw):
-            pass
-
-        def encode(self, prompt):
-            return [1]
-
-        def run(self, method, ids, temperature, seed, stop_at_eos=False):
-            calls.append(method)
-            if method == "openvino_spec":
-                raise jobs.PeerFailed("openvino_spec failed: RuntimeError: [load_gguf] gguf_tensor_to_f16 failed")
-            return {"token_ids": [1, 2], "metrics": {"throughput_tok_s": 10.0, "target_calls_per_token": 1.0}}
-
-    monkeypatch.setattr(jobs, "Bench", FakeBench)
+    failure = "openvino_spec failed: RuntimeError: [load_gguf] gguf_tensor_to_f16 failed"
+    calls = _fake_bench(monkeypatch, {"openvino_spec": failure})
     methods = ["plain", "openvino_plain", "openvino_spec", "llamacpp_plain"]
     results = jobs.run_bench(tmp_path, methods, [0.0], None, "t", "d", "int8", 1, 4, 8)
     assert calls.count("openvino_spec") == 1 and calls.count("openvino_plain") == 2 and "llamacpp_plain" not in calls
     assert {r["method"] for r in results["runs"]} == {"plain", "openvino_plain"}
     report = (tmp_path / "report.md").read_text()
     assert "> llamacpp_plain, llamacpp_spec skipped: not installed (pip install -e '.[llamacpp]')." in report
-    assert "> openvino_spec failed: RuntimeError: [load_gguf] gguf_tensor_to_f16 failed" in report
+    assert f"> {failure}" in report
     assert "OpenVINO GenAI speculative / prompt lookup" not in report  # no speculative run of it to check
 
 

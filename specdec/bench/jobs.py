@@ -191,23 +191,7 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
         if unknown:
             raise ValueError(f"unknown categories {unknown}; choose from {', '.join(workloads)}")
         workloads = {c: workloads[c] for c in categories}
-    jobs = []
-    # Prompt-major order: an interrupted run has every category up to the same prompt index. On
-    # each prompt the methods run back to back, in reversed order every other prompt: this
-    # machine's speed drifts within minutes, and a fixed order would favour the same methods.
-    most = max(len(spec["prompts"]) for spec in workloads.values())
-    n = 0
-    for i in range(min(most, prompts_per_category or most)):
-        for category, spec in workloads.items():
-            if i >= len(spec["prompts"]):
-                continue
-            order = methods if n % 2 == 0 else methods[::-1]
-            n += 1
-            for temp in temperatures:
-                for method in order:
-                    if temp > 0 and ("_k" in method):
-                        continue  # the k sweep is greedy only
-                    jobs.append((method, category, i, spec["prompts"][i], temp))
+    jobs = _job_list(workloads, methods, temperatures, prompts_per_category)
     todo = [j for j in jobs if (j[0], j[1], j[2], j[4]) not in done]
     notes = []
     for peer_module in PEERS:
@@ -237,6 +221,29 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "report.md").write_text(write_report(results, write_plots(runs, out)))
     return results
+
+
+def _job_list(workloads: dict, methods: list[str], temperatures: list[float],
+              prompts_per_category: int | None) -> list[tuple]:
+    """``(method, category, prompt index, prompt, temperature)`` in run order. Prompt-major: an
+    interrupted run has every category up to the same prompt index. On each prompt the methods
+    run back to back, in reversed order every other prompt: this machine's speed drifts within
+    minutes, and a fixed order would favour the same methods."""
+    jobs = []
+    most = max(len(spec["prompts"]) for spec in workloads.values())
+    n = 0
+    for i in range(min(most, prompts_per_category or most)):
+        for category, spec in workloads.items():
+            if i >= len(spec["prompts"]):
+                continue
+            order = methods if n % 2 == 0 else methods[::-1]
+            n += 1
+            for temp in temperatures:
+                for method in order:
+                    if temp > 0 and ("_k" in method):
+                        continue  # the k sweep is greedy only
+                    jobs.append((method, category, i, spec["prompts"][i], temp))
+    return jobs
 
 
 class PeerFailed(RuntimeError):

@@ -3,7 +3,8 @@ instance started here and shut down after; the tiny model). Marked ``ray``: `mak
 runs them (CI too); `make test` does not (Ray's start-up alone takes most of a minute here).
 
 What is checked: answers do not depend on the replica (greedy and seeded, the requests landing
-on both replicas); 32 concurrent streams, none lost or mixed up; a replica killed during a wave:
+on both replicas); prefix routing keeps a conversation's turns on one replica, where they find
+their history in its prefix cache; 32 concurrent streams, none lost or mixed up; a replica killed during a wave:
 every request either completes identically to its solo answer or fails with a clear error (an
 HTTP error status, or a stream that ends without its final chunk and [DONE]), none hangs, and
 the deployment is back to 2 replicas.
@@ -56,16 +57,17 @@ def cluster(tmp_path_factory):
         ray.shutdown()
 
 
-def _replica_of(url: str, body: dict) -> tuple[str, dict]:
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+def _replica_of(url: str, body: dict, key: str) -> tuple[str, dict]:
+    r = httpx.post(url + "/v1/completions", json=body, headers={"x-specdec-route-key": key}, timeout=120)
     r.raise_for_status()
     return r.headers["x-specdec-replica"], r.json()
 
 
-def _spread(url: str, body: dict, n: int) -> dict[str, list[dict]]:
-    """``body`` sent ``n`` times, 4 at a time (so that the router spreads them), by replica."""
+def _spread(url: str, body: dict, n: int, wave: int) -> dict[str, list[dict]]:
+    """``body`` sent ``n`` times, 4 at a time, each with its own routing key (the same body has
+    the same key, so it would always go to one replica), by replica."""
     with ThreadPoolExecutor(4) as pool:
-        out = list(pool.map(lambda _: _replica_of(url, body), range(n)))
+        out = list(pool.map(lambda i: _replica_of(url, body, f"wave{wave}-{i}"), range(n)))
     by: dict[str, list[dict]] = {}
     for replica, answer in out:
         by.setdefault(replica, []).append(answer)
@@ -73,11 +75,11 @@ def _spread(url: str, body: dict, n: int) -> dict[str, list[dict]]:
 
 
 def _on_both_replicas(url: str, body: dict) -> dict[str, list[dict]]:
-    """``body`` in waves of 8 until both replicas have answered it (at most 4 waves: the router
-    may favour one replica for a while)."""
+    """``body`` in waves of 8 until both replicas have answered it (8 keys all on one replica:
+    probability 2^-7 a wave; at most 4 waves)."""
     by: dict[str, list[dict]] = {}
-    for _ in range(4):
-        for replica, answers in _spread(url, body, 8).items():
+    for wave in range(4):
+        for replica, answers in _spread(url, body, 8, wave).items():
             by.setdefault(replica, []).extend(answers)
         if len(by) >= 2:
             break
@@ -113,6 +115,47 @@ def test_32_concurrent_streams_none_lost_or_mixed_up(cluster):
         streamed = list(pool.map(lambda p: _stream(client, p, 16 + len(p) % 7), prompts))
     solo = [_stream(client, p, 16 + len(p) % 7) for p in prompts]
     assert streamed == solo
+
+
+SYSTEM = "Be terse. " * 4  # a shared system prompt of a few cache blocks (the tiny model: 256 positions)
+
+
+def _turn(url: str, messages: list[dict]) -> tuple[str, dict]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.headers["x-specdec-replica"], r.json()
+
+
+def _conversation(url: str, first: str, turns: int = 3) -> list[tuple[str, dict]]:
+    messages, out = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": first}], []
+    for t in range(turns):
+        replica, answer = _turn(url, messages)
+        out.append((replica, answer))
+        messages += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"and then {t}?"}]
+    return out
+
+
+def test_prefix_routing_keeps_a_conversation_on_the_replica_that_holds_its_history(cluster):
+    """8 conversations of 3 turns, 4 at a time: each conversation's turns on one replica, each
+    later turn served its whole earlier prompt from the prefix cache (up to the last partial
+    block), the conversations spread over both replicas (all 8 on one: probability 2^-7), and a
+    replay of every conversation answers the same."""
+    from specdec.prefix_cache import BLOCK
+
+    url, _ = cluster
+    firsts = [f"q{i}: {'why' * i}" for i in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        convs = list(pool.map(lambda f: _conversation(url, f), firsts))
+    for conv in convs:
+        assert len({replica for replica, _ in conv}) == 1, [replica for replica, _ in conv]
+        for (_, before), (_, later) in zip(conv, conv[1:]):
+            cached = later["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= before["usage"]["prompt_tokens"] - BLOCK, (cached, before["usage"])
+    assert len({conv[0][0] for conv in convs}) == 2
+    replay = [_conversation(url, f) for f in firsts[:3]]
+    assert [[a["choices"] for _, a in c] for c in replay] == [[a["choices"] for _, a in c] for c in convs[:3]]
 
 
 def test_cluster_health_and_metrics_cover_every_replica(cluster):

@@ -52,6 +52,11 @@ def add(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--threads-per-replica", type=int_at_least(1), default=None,
                      help="torch threads (and Ray CPUs) per replica, so that replicas on one machine do not "
                      "oversubscribe its cores (default: cores / replicas)")
+    ray.add_argument("--routing", choices=("prefix", "balance"), default=None,
+                     help="prefix: a conversation's turns go to the replica that holds its history's KV (keyed by "
+                     "the messages up to the first user message, a completion's first 256 characters, or the "
+                     "header x-specdec-route-key); balance: the less loaded of two random replicas, for "
+                     "requests that share nothing (default: prefix)")
     ray.add_argument("--ray-address", default=None,
                      help="join a running Ray cluster (`ray start --head` prints its address; default: start a "
                      "local one for this command)")
@@ -65,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     spec = speculation_of(args)
     replicated = args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None
     if not replicated:
-        for flag, value in (("--threads-per-replica", args.threads_per_replica), ("--ray-address", args.ray_address)):
+        for flag, value in (("--threads-per-replica", args.threads_per_replica), ("--ray-address", args.ray_address),
+                            ("--routing", args.routing)):
             if value is not None:
                 raise UsageError(f"{flag} has no effect without --replicas")
     config = ServeConfig(speculation=spec, max_batch=args.max_batch, max_queue=args.max_queue,
@@ -104,5 +110,5 @@ def _run_replicas(args: argparse.Namespace, spec, config) -> int:
     replica = ReplicaSpec(args.target, args.draft, args.dtype, args.draft_dtype, args.head or "auto", config,
                           args.served_model_name, threads)
     print(f"specdec: {spec.describe()}; {replicas} replica(s) under Ray Serve, {threads} thread(s) each", file=sys.stderr)
-    serve_replicas(replica, scaling, args.host, args.port, args.ray_address)
+    serve_replicas(replica, scaling, args.host, args.port, args.ray_address, args.routing or "prefix")
     return 0

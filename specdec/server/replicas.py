@@ -1,9 +1,11 @@
 """The OpenAI server as Ray Serve replicas (``specdec serve --replicas N``; ``pip install -e '.[ray]'``).
 
 Each replica is the single-process server's FastAPI application (:func:`create_app`) over its
-own engine, with continuous batching inside it; Ray Serve runs the replicas, routes requests to
-them, restarts the ones that die, scales their number between bounds and checks their health.
-Nothing here balances load: Serve's proxy does.
+own engine, with continuous batching inside it; Ray Serve runs the replicas, restarts the ones
+that die, scales their number between bounds and checks their health. In front of them a small
+router deployment takes every HTTP request and sends a conversation's turns to the replica that
+holds its KV in its prefix cache (:mod:`specdec.server.routing`); ``routing="balance"`` leaves
+the choice to Serve's default (the less loaded of two random replicas).
 
 Why any replica gives the same answer: the runtime is batch invariant and a request with a seed
 is sampled from its own generator, so a greedy answer, or a seeded one, does not depend on which
@@ -18,6 +20,7 @@ samples, labelled ``replica``), served by a small second deployment that asks ev
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from specdec.server.scheduler import ServeConfig
 APP = "specdec"  # the Serve application of the replicas
 CLUSTER_APP = "specdec-cluster"  # the aggregate /cluster endpoints
 DEPLOYMENT = "SpecdecReplica"
+ROUTER = "SpecdecRouter"  # the HTTP entry point in front of the replicas
 
 
 class RayMissing(RuntimeError):
@@ -87,33 +91,58 @@ class Scaling:
                                        "target_ongoing_requests": self.target_ongoing}}
 
 
-def application(spec: ReplicaSpec, scaling: Scaling):
-    """The two Serve applications: the replicas (route ``/``) and the aggregate (``/cluster``)."""
+ROUTINGS = ("prefix", "balance")  # by conversation (specdec.server.routing), or Serve's power of two choices
+
+
+def application(spec: ReplicaSpec, scaling: Scaling, routing: str = "prefix"):
+    """The two Serve applications: the router and its replicas (route ``/``) and the aggregate
+    (``/cluster``). ``routing``: "prefix" sends a conversation's turns to one replica (see
+    :mod:`specdec.server.routing`); "balance" leaves the choice to Serve's default router."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    ray, serve = require_ray()
+    from ray.serve.config import RequestRouterConfig
+
+    router_config = RequestRouterConfig(request_router_class="specdec.server.prefix_router.PrefixRouter")
+    replicas = serve.deployment(_replica_class(), name=DEPLOYMENT, ray_actor_options={"num_cpus": spec.threads},
+                                max_ongoing_requests=spec.config.max_batch + spec.config.max_queue,
+                                health_check_period_s=5, health_check_timeout_s=60,
+                                **({"request_router_config": router_config} if routing == "prefix" else {}),
+                                **scaling.options())
+    router = serve.deployment(_router_class(), name=ROUTER, ray_actor_options={"num_cpus": 0},
+                              max_ongoing_requests=100_000)
+    return router.bind(replicas.bind(spec), spec.config.max_request_bytes), cluster_application()
+
+
+def _replica_class():
+    """One replica: the single-process server's application over its own engine, called by the
+    router through :meth:`http` (the replica has no HTTP route of its own)."""
     ray, serve = require_ray()
 
-    @serve.ingress()
     class SpecdecReplica:
         def __init__(self, spec: ReplicaSpec) -> None:
             import torch
 
             from specdec.api import TextGenerator
-
-            torch.set_num_threads(spec.threads)
-            self.spec = spec
-            self.replica = serve.get_replica_context().replica_id.unique_id
-            self.gen = TextGenerator.load(spec.target, spec.draft, spec.dtype, spec.draft_dtype, head=spec.head)
-            self.started = time.time()
-
-        def __serve_build_asgi_app__(self):
             from specdec.server.app import create_app
 
-            self.server = create_app(self.gen, self.spec.config, self.spec.model_name, replica=self.replica)
-            return self.server
+            torch.set_num_threads(spec.threads)
+            self.replica = serve.get_replica_context().replica_id.unique_id
+            gen = TextGenerator.load(spec.target, spec.draft, spec.dtype, spec.draft_dtype, head=spec.head)
+            self.server = create_app(gen, spec.config, spec.model_name, engine_thread=False, replica=self.replica)
+            self.server.state.scheduler.start()
+            self.started = time.time()
+
+        async def http(self, request: dict, body: bytes, route_key: str | None = None):
+            """The ASGI messages of one HTTP request (``route_key``: read by the request router)."""
+            from specdec.server.routing import asgi_call
+
+            async for message in asgi_call(self.server, request, body):
+                yield message
 
         def check_health(self) -> None:
             """Serve's health check: the engine's worker thread must be alive."""
-            scheduler = self.server.state.scheduler
-            if scheduler.stopped:
+            if self.server.state.scheduler.stopped:
                 raise RuntimeError("the engine's worker thread has stopped")
 
         def status(self) -> dict:
@@ -125,10 +154,80 @@ def application(spec: ReplicaSpec, scaling: Scaling):
                     "running": len(scheduler.engine.rows), "waiting": scheduler.waiting(),
                     "metrics": generate_latest(scheduler.metrics.registry).decode()}
 
-    replicas = serve.deployment(SpecdecReplica, name=DEPLOYMENT, ray_actor_options={"num_cpus": spec.threads},
-                                max_ongoing_requests=spec.config.max_batch + spec.config.max_queue,
-                                health_check_period_s=5, health_check_timeout_s=60, **scaling.options())
-    return replicas.bind(spec), cluster_application()
+        def __del__(self) -> None:
+            self.server.state.scheduler.stop()
+
+    return SpecdecReplica
+
+
+def _router_class():
+    """The HTTP entry point: reads a request's body, computes its routing key and streams the
+    chosen replica's response back unchanged."""
+    ray, serve = require_ray()
+
+    @serve.ingress()
+    class SpecdecRouter:
+        def __init__(self, replicas, max_request_bytes: int) -> None:
+            self.replicas, self.limit = replicas.options(stream=True), max_request_bytes
+
+        def __serve_build_asgi_app__(self):
+            async def app(scope, receive, send) -> None:  # a function: uvicorn takes a bound method for ASGI 2
+                await self.forward(scope, receive, send)
+
+            return app
+
+        async def forward(self, scope, receive, send) -> None:
+            from specdec.server.routing import route_key
+
+            if scope["type"] == "lifespan":
+                return await _lifespan(receive, send)
+            body = await _read_body(receive, self.limit + 1)  # over the limit: the replica answers 413
+            request = {"method": scope["method"], "path": scope["path"], "headers": list(scope["headers"]),
+                       "query_string": scope.get("query_string", b"")}
+            stream = self.replicas.http.remote(request, body, route_key=route_key(scope["path"], request["headers"], body))
+            await _relay(stream, send)
+
+    return SpecdecRouter
+
+
+async def _lifespan(receive, send) -> None:
+    while (message := await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def _read_body(receive, limit: int) -> bytes:
+    """The request's body, at most ``limit`` bytes of it."""
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return body
+        body = (body + message.get("body", b""))[:limit]
+        if not message.get("more_body", False):
+            return body
+
+
+async def _relay(stream, send) -> None:
+    """Send the replica's messages on. A replica that fails before its response started gives a
+    503; one that fails during it ends the response where it stands (a stream without its end)."""
+    started = False
+    try:
+        async for message in stream:
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+    except Exception as exc:  # the replica died or failed: Ray's errors, whatever their type
+        if started:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        body = json.dumps({"error": {"message": f"the replica failed: {type(exc).__name__}", "type": "server_error",
+                                     "code": 503}}).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    except BaseException:  # cancelled: the client went away
+        stream.cancel()
+        raise
 
 
 def cluster_application():
@@ -190,24 +289,25 @@ def _escape(value: str) -> str:
 
 
 def deploy(spec: ReplicaSpec, scaling: Scaling, host: str = "127.0.0.1", port: int = 8000,
-           address: str | None = None) -> None:
+           address: str | None = None, routing: str = "prefix") -> None:
     """Start (or join, with ``address``) a Ray cluster, deploy the replicas and the aggregate, and
     wait for them to be ready; :func:`serve_replicas` also blocks until interrupted."""
     ray, serve = require_ray()
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
-    replicas, cluster = application(spec, scaling)
-    serve.run(replicas, name=APP, route_prefix="/")
+    entry, cluster = application(spec, scaling, routing)
+    serve.run(entry, name=APP, route_prefix="/")
     serve.run(cluster, name=CLUSTER_APP, route_prefix="/cluster")
 
 
-def serve_replicas(spec: ReplicaSpec, scaling: Scaling, host: str, port: int, address: str | None) -> None:
+def serve_replicas(spec: ReplicaSpec, scaling: Scaling, host: str, port: int, address: str | None,
+                   routing: str = "prefix") -> None:
     """``specdec serve --replicas N``: deploy, then wait for Ctrl-C / SIGTERM and shut down."""
     import signal
 
     ray, serve = require_ray()
-    deploy(spec, scaling, host, port, address)
+    deploy(spec, scaling, host, port, address, routing)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:

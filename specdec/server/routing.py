@@ -1,0 +1,100 @@
+"""Prefix routing for the replicas (``specdec serve --replicas N``): a conversation's turns go to
+the replica that holds its KV.
+
+Each replica's prefix cache keeps the KV of the prompts and answers it served; a later turn
+resends the whole conversation, so it finds its history only on the replica that served the
+earlier turns. Serve's default router picks two replicas at random and takes the less loaded, so
+with two replicas a later turn found its history about half the time.
+
+The routing key of a request is what stays the same across a conversation's turns: for chat,
+the messages up to and including the first user message (a shared system prompt alone does not
+decide: conversations that share it still spread over the replicas, each of which caches it
+once); for a completion, the first :data:`PROMPT_KEY_CHARS` characters of the prompt. A client
+may name the key itself with the header ``x-specdec-route-key`` (a session id, say). The replica
+for a key is chosen by rendezvous hashing over the live replicas: the same on every router, and
+when a replica goes away only its own keys move. A replica that is full (``max_ongoing_requests``)
+passes its requests to the others, least loaded first.
+
+The HTTP path: Serve's proxy sees a request's headers but not its body, so the entry point is a
+small router deployment that reads the body, computes the key and forwards the request to the
+replicas through a handle; the replicas' own request router (:class:`specdec.server.prefix_router.
+PrefixRouter`) reads the key and ranks the replicas. Each replica runs the single-process
+server's ASGI application in-process (:func:`asgi_call`) and streams its messages back unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator, Sequence
+
+PROMPT_KEY_CHARS = 256  # a completion's routing key: its prompt's first characters
+ROUTE_HEADER = b"x-specdec-route-key"
+
+
+def route_key(path: str, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> str | None:
+    """The routing key of a request (see the module's docstring); None: no preference (a
+    request that is not a completion, or whose body does not parse: the replica answers it)."""
+    for name, value in headers:
+        if name.lower() == ROUTE_HEADER:
+            return "header:" + value.decode("latin-1")
+    if not path.startswith("/v1/"):
+        return None
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(request, dict):
+        return None
+    messages = request.get("messages")
+    if isinstance(messages, list):
+        first_user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
+                          len(messages) - 1)
+        return "chat:" + json.dumps(messages[: first_user + 1], sort_keys=True)
+    prompt = request.get("prompt")
+    if isinstance(prompt, str):
+        return "prompt:" + prompt[:PROMPT_KEY_CHARS]
+    return None
+
+
+def rendezvous(key: str, names: Sequence[str]) -> list[str]:
+    """``names`` ordered by preference for ``key`` (highest random weight first): every caller
+    ranks them the same, and removing a name moves only the keys it was first for."""
+    score = lambda name: hashlib.blake2b(f"{name}\0{key}".encode(), digest_size=8).digest()  # noqa: E731
+    return sorted(names, key=score, reverse=True)
+
+
+async def asgi_call(app, request: dict, body: bytes) -> AsyncIterator[dict]:
+    """Run one HTTP request through the ASGI application ``app`` in this process and yield the
+    messages it sends (``http.response.start``, then ``http.response.body`` ones) as they come.
+    ``request``: method, path, query_string (bytes), headers ([(bytes, bytes)]). Closing the
+    iterator early (the client went away) tells the app that the client disconnected."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "scheme": "http", "root_path": "", "client": None, "server": None, "method": request["method"],
+             "path": request["path"], "raw_path": request["path"].encode(), "query_string": request["query_string"],
+             "headers": request["headers"]}
+    messages: asyncio.Queue = asyncio.Queue()
+    disconnected = asyncio.Event()
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    task = asyncio.ensure_future(app(scope, receive, messages.put))
+    task.add_done_callback(lambda _: messages.put_nowait(None))
+    try:
+        while (message := await messages.get()) is not None:
+            yield message
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                break
+        task.result() if task.done() else None  # an exception the app raised after its last message
+    finally:
+        disconnected.set()
+        if not task.done():
+            await asyncio.wait({task}, timeout=30)

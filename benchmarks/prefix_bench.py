@@ -7,11 +7,15 @@ assistant's answers included, as chat clients do) plus a follow-up question. Gre
 Two `specdec serve` processes run side by side on loopback: one with the default prefix cache,
 one with ``--prefix-cache-mb 0``; for every (round, clients) level they are measured one after
 the other, in alternating order from round to round, and every answer of the one is compared
-with the other's (greedy: they must be identical).
+with the other's (greedy: they must be identical). With ``--replicas N`` the two servers are
+instead ``specdec serve --replicas N`` with prefix routing (the default) and with
+``--routing balance``, both with the cache: the question is then whether a later turn reaches
+the replica that holds its history.
 
 Reported per configuration and concurrency: the median time to first token of first turns and
 of later turns, aggregate throughput (completion tokens / wall time), and the prompt tokens
-served from the cache. Results go to ``runs.jsonl`` (resumable) and ``report.md`` in ``--out``.
+served from the cache, and the later turns that found their whole earlier prompt in the cache
+(up to its last partial block: a hit). Results go to ``runs.jsonl`` (resumable) and ``report.md`` in ``--out``.
 
     .venv/bin/python benchmarks/prefix_bench.py --out prefix-out
 """
@@ -34,6 +38,7 @@ from serve_bench import engine_counters, finish, start_server, stop_servers  # n
 
 from specdec.bench.jobs import load_workloads  # noqa: E402
 from specdec.models import registry  # noqa: E402
+from specdec.prefix_cache import BLOCK  # noqa: E402
 from specdec.runtime.linear import DEFAULT_DTYPE  # noqa: E402
 
 SYSTEM = (
@@ -84,14 +89,15 @@ def conversation(url: str, user: str, turns: int, max_tokens: int) -> list[dict]
     return out
 
 
-def run_level(url: str, users: list[str], clients: int, turns: int, max_tokens: int) -> dict:
-    before = engine_counters(url)
+def run_level(url: str, users: list[str], clients: int, turns: int, max_tokens: int, metrics: str) -> dict:
+    before = engine_counters(url, metrics)
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         convs = list(pool.map(lambda u: conversation(url, u, turns, max_tokens), users[:clients]))
     wall = time.perf_counter() - start
-    after = engine_counters(url)
+    after = engine_counters(url, metrics)
     results = [r for c in convs for r in c]
+    hits = [b["cached_tokens"] >= a["prompt_tokens"] - BLOCK for c in convs for a, b in zip(c, c[1:])]
     first = [r["ttft_s"] for r in results if r["turn"] == 0]
     later = [r["ttft_s"] for r in results if r["turn"] > 0]
     return {"clients": clients, "turns": turns, "tokens": sum(r["tokens"] for r in results), "wall_s": wall,
@@ -100,31 +106,35 @@ def run_level(url: str, users: list[str], clients: int, turns: int, max_tokens: 
             "median_ttft_later_turns_s": statistics.median(later) if later else None,
             "prompt_tokens": sum(r["prompt_tokens"] for r in results),
             "cached_tokens": sum(r["cached_tokens"] for r in results),
+            "later_turn_hits": sum(hits), "later_turns": len(hits),
             "prefill_s": round(after.get("prefill", 0.0) - before.get("prefill", 0.0), 2),
             "texts": [r["text"] for r in results]}
 
 
-def report(runs: list[dict]) -> str:
-    lines = ["| clients | prefix cache | rounds | throughput tok/s | vs no cache (same round) | TTFT first turn s | "
-             "TTFT later turns s | later-turn TTFT, no cache / cache (same round) | prompt tokens cached | engine prefill s | "
-             "answers identical |", "|" + "---|" * 11]
+def report(runs: list[dict], configs: tuple[str, str]) -> str:
+    """One row per (clients, configuration); ratios against ``configs[1]`` in the same round."""
+    ref = configs[1]
+    lines = [f"| clients | server | rounds | throughput tok/s | vs {ref} (same round) | TTFT first turn s | "
+             f"TTFT later turns s | later-turn TTFT, {ref} / this (same round) | prompt tokens cached | "
+             "later turns that hit | engine prefill s | answers identical |", "|" + "---|" * 12]
     by = {(r["round"], r["config"], r["clients"]): r for r in runs}
     for clients in sorted({r["clients"] for r in runs}):
-        for config in ("cache", "nocache"):
+        for config in configs:
             mine = [r for r in runs if (r["config"], r["clients"]) == (config, clients)]
             if not mine:
                 continue
-            pairs = [(r, by.get((r["round"], "nocache", clients))) for r in mine]
+            pairs = [(r, by.get((r["round"], ref, clients))) for r in mine]
             pairs = [(a, b) for a, b in pairs if b is not None]
             med = lambda key: statistics.median(r[key] for r in mine if r[key] is not None)  # noqa: E731
             thr = statistics.median(a["throughput_tok_s"] / b["throughput_tok_s"] for a, b in pairs) if pairs else float("nan")
             ttft = (statistics.median(b["median_ttft_later_turns_s"] / a["median_ttft_later_turns_s"] for a, b in pairs)
                     if pairs and mine[0]["turns"] > 1 else float("nan"))
             same = all(a["texts"] == b["texts"] for a, b in pairs)
-            lines.append(f"| {clients} | {'on' if config == 'cache' else 'off'} | {len(mine)} | {med('throughput_tok_s'):.1f} | "
+            hits = f"{sum(r.get('later_turn_hits', 0) for r in mine)} / {sum(r.get('later_turns', 0) for r in mine)}"
+            lines.append(f"| {clients} | {config} | {len(mine)} | {med('throughput_tok_s'):.1f} | "
                          f"{thr:.2f}x | {med('median_ttft_first_turn_s'):.2f} | {med('median_ttft_later_turns_s'):.2f} | "
                          f"{ttft:.2f}x | {sum(r['cached_tokens'] for r in mine)} / {sum(r['prompt_tokens'] for r in mine)} | "
-                         f"{med('prefill_s'):.1f} | {'yes' if same else 'NO'} |")
+                         f"{hits} | {med('prefill_s'):.1f} | {'yes' if same else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -138,6 +148,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every level, the two servers alternating")
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="compare N Ray Serve replicas with prefix routing against --routing balance "
+                    "(pip install -e '.[ray]'; default: one process with the cache against one without)")
     ap.add_argument("--out", type=Path, default=Path("prefix-out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -147,6 +160,9 @@ def main() -> None:
     users = [p if isinstance(p, str) else p[-1]["content"] for name, cat in load_workloads().items()
              for p in cat["prompts"]]
     configs = {"cache": [], "nocache": ["--prefix-cache-mb", "0"]}
+    if args.replicas:
+        replicas = ["--replicas", str(args.replicas), "--threads-per-replica", "1"]
+        configs = {"prefix routing": replicas, "balance routing": [*replicas, "--routing", "balance"]}
     todo = [(rnd, c, int(n)) for rnd in range(args.rounds) for n in args.clients.split(",")
             for c in (list(configs) if rnd % 2 == 0 else list(configs)[::-1]) if (rnd, c, int(n)) not in done]
     servers = {}
@@ -161,13 +177,14 @@ def main() -> None:
             start = rnd * sum(levels) + sum(levels[: levels.index(clients)])
             mine = (users[start:] + users)[:clients]
             record = {"round": rnd, "config": config, "max_tokens": args.max_tokens, "dtype": args.dtype,
-                      "proposer": args.proposer, **run_level(servers[config][1], mine, clients, args.turns, args.max_tokens)}
+                      "proposer": args.proposer, **run_level(servers[config][1], mine, clients, args.turns, args.max_tokens,
+                                 "/cluster/metrics" if args.replicas else "/metrics")}
             with log.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             runs.append(record)
     finally:
         stop_servers(servers)
-    finish(args.out, report(runs))
+    finish(args.out, report(runs, tuple(configs)))
 
 
 if __name__ == "__main__":

@@ -86,14 +86,19 @@ def finish(out: Path, text: str) -> None:
     print(text)
 
 
-def engine_counters(url: str) -> dict[str, float]:
-    """The engine's time by phase and its target calls so far, from the server's Prometheus metrics."""
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("specdec_engine_seconds_total{"):
-            out[line.split('phase="')[1].split('"')[0]] = float(line.split()[-1])
-        elif line.startswith("specdec_target_calls_total "):
-            out["target_calls"] = float(line.split()[-1])
+def engine_counters(url: str, metrics_path: str = "/metrics") -> dict[str, float]:
+    """The engine's time by phase and its target calls so far, from the server's Prometheus metrics
+    (``/cluster/metrics`` for replicas: summed over them)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + metrics_path, timeout=30).text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name == "specdec_engine_seconds_total":
+            key = line.split('phase="')[1].split('"')[0]
+        elif name == "specdec_target_calls_total":
+            key = "target_calls"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(line.split()[-1])
     return out
 
 

@@ -1,14 +1,13 @@
-"""Prefix routing's parts that need no Ray (specdec.server.routing): the routing key, rendezvous
-hashing and the in-process ASGI call the replicas answer through. The routing itself, on live
+"""Prefix routing's parts that need no Ray (specdec.server.routing): the routing key, the router's
+memory and the in-process ASGI call the replicas answer through. The routing itself, on live
 replicas, is in test_replicas.py (``make test-ray``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
 
-from specdec.server.routing import PROMPT_KEY_CHARS, asgi_call, rendezvous, route_key
+from specdec.server.routing import PROMPT_KEY_CHARS, Affinity, asgi_call, route_key
 
 SYSTEM = {"role": "system", "content": "shared"}
 
@@ -33,6 +32,7 @@ def test_completion_keys_cut_the_prompt_and_the_header_overrides_the_body():
     assert key != route_key("/v1/completions", [], json.dumps({"prompt": "y" + base}).encode())
     header = [(b"X-Specdec-Route-Key", b"session-7")]
     assert route_key("/v1/completions", header, b"not json") == "header:session-7"
+    assert len(key) < 64  # a digest travels with every request, not the prompt
 
 
 def test_requests_without_a_key_leave_the_choice_to_load():
@@ -42,14 +42,16 @@ def test_requests_without_a_key_leave_the_choice_to_load():
     assert route_key("/v1/completions", [], json.dumps({"prompt": [1, 2, 3]}).encode()) is None
 
 
-def test_rendezvous_is_balanced_and_moves_only_the_keys_of_a_removed_replica():
-    names = ["a", "b", "c"]
-    firsts = {k: rendezvous(str(k), names)[0] for k in range(3000)}
-    counts = Counter(firsts.values())
-    assert all(900 <= counts[n] <= 1100 for n in names), counts  # each ~1000 (sd ~26)
-    after = {k: rendezvous(str(k), ["a", "c"])[0] for k in range(3000)}
-    assert all(after[k] == firsts[k] for k in firsts if firsts[k] != "b")
-    assert sorted(rendezvous("k", names)) == names
+def test_affinity_remembers_where_a_key_went_until_its_replica_is_gone_or_it_is_old():
+    affinity = Affinity(capacity=2)
+    assert affinity.prefer("k1", {"a", "b"}) is None  # a new key: the less loaded replica takes it
+    affinity.record("k1", "a")
+    assert affinity.prefer("k1", {"a", "b"}) == "a"
+    assert affinity.prefer("k1", {"b"}) is None  # its replica went away: placed anew
+    affinity.record("k2", "b")
+    affinity.prefer("k1", {"a", "b"})  # k1 used again: k2 is now the oldest
+    affinity.record("k3", "a")
+    assert affinity.prefer("k2", {"a", "b"}) is None and affinity.prefer("k1", {"a", "b"}) == "a"
 
 
 async def _streaming_app(scope, receive, send):

@@ -1,23 +1,31 @@
-"""Serve's request router for the replicas: the replica a request's routing key hashes to first,
-the others after it (see :mod:`specdec.server.routing`). Imports Ray: only replicas load it."""
+"""Serve's request router for the replicas: a routing key's requests go where its first went (see
+:mod:`specdec.server.routing`). Imports Ray: only the router deployment's handle loads it."""
 
 from __future__ import annotations
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from specdec.server.routing import rendezvous
+from specdec.server.routing import Affinity
 
 
 class PrefixRouter(RequestRouter):
-    """Ranks the live replicas for a request: ``[[first for its key], [the others]]``. Serve takes
-    the first rank's replica unless it is full, then the least loaded of the next rank. A request
-    without a key (``route_key=None``) goes to the least loaded replica."""
+    """Ranks the live replicas for a request: ``[[the key's replica], [the others]]`` when the key
+    was seen, else one rank of all (Serve takes the least loaded of a rank, and a full replica's
+    requests go to the next rank). The replica each keyed request was routed to is remembered."""
+
+    def initialize_state(self, **kwargs) -> None:
+        self.affinity = Affinity()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         key = pending_request.kwargs.get("route_key") if pending_request is not None else None
-        if key is None or len(candidate_replicas) < 2:
-            return [candidate_replicas]
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
-        first, *others = rendezvous(key, list(by_name))
-        return [[by_name[first]], [by_name[name] for name in others]]
+        name = self.affinity.prefer(key, by_name) if key is not None else None
+        if name is None:
+            return [candidate_replicas]
+        return [[by_name[name]], [r for n, r in by_name.items() if n != name]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        key = pending_request.kwargs.get("route_key")
+        if key is not None:
+            self.affinity.record(key, replica_id.unique_id)

@@ -10,10 +10,14 @@ The routing key of a request is what stays the same across a conversation's turn
 the messages up to and including the first user message (a shared system prompt alone does not
 decide: conversations that share it still spread over the replicas, each of which caches it
 once); for a completion, the first :data:`PROMPT_KEY_CHARS` characters of the prompt. A client
-may name the key itself with the header ``x-specdec-route-key`` (a session id, say). The replica
-for a key is chosen by rendezvous hashing over the live replicas: the same on every router, and
-when a replica goes away only its own keys move. A replica that is full (``max_ongoing_requests``)
-passes its requests to the others, least loaded first.
+may name the key itself with the header ``x-specdec-route-key`` (a session id, say).
+
+The first request of a key goes to the less loaded replica (as Serve's default would send it:
+it has no history anywhere yet), and the router remembers where it went (:class:`Affinity`);
+the key's later requests go there. A replica that is full (``max_ongoing_requests``) passes its
+requests to the others; a key whose replica went away is placed anew. Hashing keys to replicas
+instead (rendezvous hashing, tried first) left the replicas unevenly loaded with few
+conversations: at 4 clients on 2 replicas throughput read 0.88x Serve's default.
 
 The HTTP path: Serve's proxy sees a request's headers but not its body, so the entry point is a
 small router deployment that reads the body, computes the key and forwards the request to the
@@ -27,7 +31,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Collection, Sequence
 
 PROMPT_KEY_CHARS = 256  # a completion's routing key: its prompt's first characters
 ROUTE_HEADER = b"x-specdec-route-key"
@@ -51,18 +56,37 @@ def route_key(path: str, headers: Sequence[tuple[bytes, bytes]], body: bytes) ->
     if isinstance(messages, list):
         first_user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
                           len(messages) - 1)
-        return "chat:" + json.dumps(messages[: first_user + 1], sort_keys=True)
+        return "chat:" + _digest(json.dumps(messages[: first_user + 1], sort_keys=True))
     prompt = request.get("prompt")
     if isinstance(prompt, str):
-        return "prompt:" + prompt[:PROMPT_KEY_CHARS]
+        return "prompt:" + _digest(prompt[:PROMPT_KEY_CHARS])
     return None
 
 
-def rendezvous(key: str, names: Sequence[str]) -> list[str]:
-    """``names`` ordered by preference for ``key`` (highest random weight first): every caller
-    ranks them the same, and removing a name moves only the keys it was first for."""
-    score = lambda name: hashlib.blake2b(f"{name}\0{key}".encode(), digest_size=8).digest()  # noqa: E731
-    return sorted(names, key=score, reverse=True)
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+class Affinity:
+    """Which replica each routing key went to, for the most recent ``capacity`` keys (least
+    recently used first out). One router process holds it: the deployment has one router."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity, self.where = capacity, OrderedDict()
+
+    def prefer(self, key: str, live: Collection[str]) -> str | None:
+        """The live replica ``key`` went to, or None (a new key, or its replica went away)."""
+        name = self.where.get(key)
+        if name is None or name not in live:
+            return None
+        self.where.move_to_end(key)
+        return name
+
+    def record(self, key: str, name: str) -> None:
+        self.where[key] = name
+        self.where.move_to_end(key)
+        while len(self.where) > self.capacity:
+            self.where.popitem(last=False)
 
 
 async def asgi_call(app, request: dict, body: bytes) -> AsyncIterator[dict]:

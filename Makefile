@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow test-ray models venv fuzz soak bench-serve bench-prefix bench-replicas bench-kernels bench-join
+.PHONY: demo test test-slow test-ray models venv fuzz soak bench-serve bench-prefix bench-replicas bench-kernels bench-join llama-server
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -72,3 +72,19 @@ bench-kernels: models
 	$(BIN)/python benchmarks/kernel_threads.py
 bench-join: models
 	$(BIN)/python benchmarks/join_prefill.py
+
+# llama.cpp's server, the peer of `specdec bench --methods llamacpp_draft` and serve_bench's
+# --peers llama.cpp: built from the llama.cpp source that llama-cpp-python 0.3.36 vendors (the
+# same commit as the llamacpp_* methods; ~15 min on 2 cores), installed where the bench finds it.
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_SRC := build/llama-src/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+llama-server: $(BIN)/.installed
+	mkdir -p build/llama-src
+	test -d $(LLAMA_SRC) || ($(BIN)/pip download --quiet --no-deps --no-binary :all: \
+		llama-cpp-python==$(LLAMA_CPP_PYTHON) -d build/llama-src && \
+		tar -xzf build/llama-src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C build/llama-src)
+	cmake -S $(LLAMA_SRC) -B build/llama-server -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+		-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+	cmake --build build/llama-server --target llama-server -j $$(nproc)
+	install -D build/llama-server/bin/llama-server $(HOME)/.cache/specdec/llama.cpp/llama-server

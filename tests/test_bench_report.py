@@ -90,7 +90,7 @@ def test_llamacpp_greedy_check_and_block_costs_in_the_report(tmp_path):
         "date": "x", "target": "t", "draft": "d", "dtype": "q4", "max_new_tokens": 3, "torch": "x",
         "transformers": "x", "cores": 2}}, [])
     assert "specdec speculative: all 1 greedy runs are token-identical to `plain`." in report
-    assert "llama.cpp prompt-lookup speculation: 1 of 1 greedy runs differ from `llamacpp_plain`" in report
+    assert "llama.cpp speculation (prompt lookup, draft model): 1 of 1 greedy runs differ from `llamacpp_plain`" in report
     assert "| llamacpp_plain | 2.00x | 2.00x |" in report
     assert "| specdec | 50.0 | 75.0 | 1.50x | 0 |" in report
     assert "| llama.cpp | 36.0 | 108.0 | 3.00x | 0.52 |" in report
@@ -170,6 +170,9 @@ def _fake_bench(monkeypatch, failures: dict[str, str] | None = None) -> list[str
                 raise jobs.PeerFailed(failures[method])
             return {"token_ids": [1, 2], "metrics": {"throughput_tok_s": 10.0, "target_calls_per_token": 1.0}}
 
+        def close(self):
+            calls.append("close")
+
     monkeypatch.setattr(jobs, "Bench", FakeBench)
     return calls
 
@@ -183,7 +186,7 @@ def test_methods_run_back_to_back_in_alternating_order(tmp_path, monkeypatch):
     calls = _fake_bench(monkeypatch)
     results = jobs.run_bench(tmp_path, ["plain", "ngram", "suffix"], [0.0], None, "t", "d", "int8", 1, 4, 8)
     # code p0, qa q0 (prompt index 0), then code p1
-    assert calls == ["plain", "ngram", "suffix", "suffix", "ngram", "plain", "plain", "ngram", "suffix"]
+    assert calls == ["plain", "ngram", "suffix", "suffix", "ngram", "plain", "plain", "ngram", "suffix", "close"]
     assert [r["method"] for r in results["runs"][:3]] == ["plain", "ngram", "suffix"]
     assert "| plain | 1.00x | 1.00x | 1.00x |" in (tmp_path / "report.md").read_text()
 
@@ -285,3 +288,66 @@ def test_fit_gap_groups_name_slices_of_own_answers():
         with pytest.raises(ValueError):
             gap.parse_group(bad)
 
+
+
+STAND_IN_SERVER = '''#!{python}
+"""A stand-in for llama-server's command line and /completion stream (the client's test only)."""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+if "-md" not in sys.argv:
+    sys.exit("error: this stand-in needs -md")
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{{"status": "ok"}}')
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        assert body["ignore_eos"] and not body["cache_prompt"] and body["top_k"] == 0
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        tokens = [body["prompt"][-1] + i for i in range(1, body["n_predict"] + 1)]
+        for i in range(0, len(tokens), 2):  # two tokens a chunk, as an accepted draft gives them
+            last = i + 2 >= len(tokens)
+            chunk = {{"tokens": tokens[i:i + 2], "stop": last, **({{"timings": {{"draft_n": 6, "draft_n_accepted": 4}}}} if last else {{}})}}
+            self.wfile.write(f"data: {{json.dumps(chunk)}}\\n\\n".encode())
+            self.wfile.flush()
+
+
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_llama_server_client_cuts_at_eos_and_reports_a_failed_start_in_one_line(tmp_path, monkeypatch):
+    """`llamacpp_draft`'s client over llama-server's protocol (a stand-in script here; the real
+    server is measured by `specdec bench --methods llamacpp_draft`): the stream's token ids, the
+    cut after an end-of-turn token, draft counts from the last chunk; a server that exits at start
+    is a one-line error."""
+    import sys
+
+    from specdec.bench import llama_server
+
+    exe = tmp_path / "llama-server"
+    exe.write_text(STAND_IN_SERVER.format(python=sys.executable))
+    exe.chmod(0o755)
+    monkeypatch.setenv("SPECDEC_LLAMA_SERVER", str(exe))
+    assert llama_server.available()
+    server = llama_server.LlamaServer(tmp_path / "t.gguf", tmp_path / "d.gguf", threads=1)
+    try:
+        whole = server.run([5, 10], 6, 0.0, seed=0)
+        cut = server.run([5, 10], 6, 0.0, seed=0, eos=frozenset({13}))
+    finally:
+        server.close()
+    assert whole["token_ids"] == [11, 12, 13, 14, 15, 16] and whole["metrics"]["accepted_draft_tokens"] == 4
+    assert cut["token_ids"] == [11, 12, 13] and cut["metrics"]["generated_tokens"] == 3
+    with pytest.raises(RuntimeError, match="llama-server exited with status 1: error: this stand-in needs -md"):
+        llama_server.start(tmp_path / "t.gguf", None, threads=1)

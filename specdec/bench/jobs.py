@@ -19,6 +19,8 @@ Methods (``--methods``, comma-separated):
   with its prompt-lookup speculation (optional extra; see :mod:`specdec.bench.llamacpp`). With
   them, the report also compares the two runtimes' cost of evaluating 5 tokens against 1 and how
   far a token's logits move between the two.
+* ``llamacpp_draft`` — llama.cpp's draft-model speculation (``llama-server -md``, the draft
+  GGUF of ``--draft``; built by ``make llama-server``, see :mod:`specdec.bench.llama_server`).
 * ``openvino_plain``, ``openvino_spec``, ``openvino_lookup`` — OpenVINO GenAI on the same GGUF
   files and threads (optional extra; see :mod:`specdec.bench.openvino`).
 
@@ -45,7 +47,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec.bench import llamacpp, openvino
+from specdec.bench import llama_server, llamacpp, openvino
 from specdec.bench.plots import write_plots
 from specdec.bench.report import write_report
 from specdec.proposers.suffix import SuffixHistory
@@ -55,8 +57,9 @@ from specdec.speculation import METHODS
 ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",
                "early_exit", "hybrid", "ngram_k1", "ngram_k2", "ngram_k4", "ngram_k8",
                "draft_k1", "draft_k2", "draft_k4", "draft_k8", "head", "head_auto", "hybrid_head",
-               "suffix", "head_tree", "hybrid_tree", "llamacpp_plain", "llamacpp_spec", *openvino.METHODS]
-PEERS = (llamacpp, openvino)  # optional runtimes: METHODS, available(), INSTALL_HINT
+               "suffix", "head_tree", "hybrid_tree", "llamacpp_plain", "llamacpp_spec", *llama_server.METHODS,
+               *openvino.METHODS]
+PEERS = (llamacpp, llama_server, openvino)  # optional runtimes: METHODS, available(), INSTALL_HINT
 QUICK_METHODS = ["hf_plain", "hf_assisted", "plain", "draft_auto", "ngram", "hybrid", "ngram_k2", "ngram_k8"]
 
 
@@ -106,6 +109,7 @@ class Bench:
         self.dtype, self.max_new_tokens, self.k, self.k_max = dtype, max_new_tokens, k, k_max
         self._hf = None
         self._llamacpp = None
+        self._llama_server = None
         self._openvino = None
         self.target_name, self.draft_name = target, draft
 
@@ -115,6 +119,19 @@ class Bench:
 
             self._llamacpp = LlamaCpp(gguf_file(self.target_name), torch.get_num_threads(), 4096, self.k)
         return self._llamacpp
+
+    def llama_server(self):
+        if self._llama_server is None:
+            from specdec.bench.llamacpp import gguf_file
+
+            draft = gguf_file(self.draft_name) if self.draft_name else None
+            self._llama_server = llama_server.LlamaServer(gguf_file(self.target_name), draft, torch.get_num_threads())
+        return self._llama_server
+
+    def close(self) -> None:
+        """Stop the peer processes this bench started (llama-server)."""
+        if self._llama_server is not None:
+            self._llama_server.close()
 
     def openvino(self):
         if self._openvino is None:
@@ -139,8 +156,13 @@ class Bench:
         """One run. ``stop_at_eos`` (categories whose answers are whole files, e.g. ``editing``):
         our methods stop where the answer ends, as a user's request does, instead of generating
         past the end-of-turn token (text no longer grounded in the input) up to ``max_new_tokens``."""
+        eos = frozenset(self.gen.eos_token_ids) if stop_at_eos else frozenset()
+        if method == "llamacpp_draft":
+            try:
+                return self.llama_server().run(prompt_ids, self.max_new_tokens, temperature, seed, eos)
+            except Exception as exc:  # a peer's own failure (its start, its file reader, its HTTP)
+                raise PeerFailed(f"{method} failed: {type(exc).__name__}: {_last_line(exc)}") from exc
         if method.startswith("llamacpp_"):
-            eos = frozenset(self.gen.eos_token_ids) if stop_at_eos else frozenset()
             return self.llamacpp().run(method, prompt_ids, self.max_new_tokens, temperature, seed, eos)
         if method.startswith("openvino_"):
             try:
@@ -201,7 +223,11 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
             todo = [j for j in todo if j[0] not in peer_module.METHODS]
     wants_llamacpp = any(m in llamacpp.METHODS for m in methods) and llamacpp.available()
     bench = Bench(target, draft, dtype, max_new_tokens, k, k_max, head) if todo or wants_llamacpp else None
-    failed = _run_jobs(bench, todo, workloads, ignore_eos, log, done)
+    try:
+        failed = _run_jobs(bench, todo, workloads, ignore_eos, log, done)
+    finally:
+        if bench is not None:
+            bench.close()
     notes += list(failed.values())
     peer = None
     if wants_llamacpp:  # the block-cost comparison, on the first prompt's tokens

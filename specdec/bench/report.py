@@ -22,7 +22,7 @@ def speedups(runs: list[dict], baseline: str) -> dict[tuple[str, str, float], fl
 
 # (label, method prefix, plain-decoding reference) of each runtime in the bench
 RUNTIMES = (("specdec speculative", "", "plain"), ("transformers assisted / prompt-lookup", "hf_", "hf_plain"),
-            ("llama.cpp prompt-lookup speculation", "llamacpp_", "llamacpp_plain"),
+            ("llama.cpp speculation (prompt lookup, draft model)", "llamacpp_", "llamacpp_plain"),
             ("OpenVINO GenAI speculative / prompt lookup", "openvino_", "openvino_plain"))
 
 

@@ -1,0 +1,126 @@
+"""llama.cpp's draft-model speculation as a measured peer: ``llama-server -m TARGET -md DRAFT``.
+
+llama-cpp-python has no draft-model API, so this peer runs llama.cpp's own server, built once
+from the llama.cpp source that llama-cpp-python 0.3.36 vendors (``make llama-server``: the same
+commit as the ``llamacpp_*`` methods, so ``llamacpp_plain`` is its plain decoding). The binary is
+found as ``$SPECDEC_LLAMA_SERVER``, ``llama-server`` on the PATH, or where the make target puts
+it (:data:`BUILT`).
+
+* ``llamacpp_draft`` — the target GGUF with the draft GGUF (``--draft``), llama.cpp's defaults
+  for how many tokens to draft (``--spec-draft-n-max``, ``--spec-draft-p-min``: what a user of
+  ``llama-server -md`` gets), the same threads, one slot, no prompt cache between runs.
+
+:func:`start` also serves ``benchmarks/serve_bench.py``'s llama.cpp peer (``--parallel N``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+METHODS = ("llamacpp_draft",)
+BUILT = Path.home() / ".cache" / "specdec" / "llama.cpp" / "llama-server"
+INSTALL_HINT = "make llama-server (builds llama.cpp's server from llama-cpp-python 0.3.36's vendored source)"
+
+
+def binary() -> Path | None:
+    for candidate in (os.environ.get("SPECDEC_LLAMA_SERVER"), shutil.which("llama-server"), BUILT):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    return None
+
+
+def available() -> bool:
+    return binary() is not None
+
+
+def start(target: Path, draft: Path | None, threads: int, context: int = 4096, parallel: int = 1,
+          extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """Start ``llama-server`` on a free loopback port and wait until its model is loaded; returns
+    (process, base url). ``context`` is the whole KV, shared by the ``parallel`` slots."""
+    import httpx
+
+    exe = binary()
+    if exe is None:
+        raise FileNotFoundError(f"llama-server not found: {INSTALL_HINT}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(exe), "-m", str(target), *(["-md", str(draft)] if draft is not None else []), "-t", str(threads),
+           "-tb", str(threads), "-c", str(context * parallel), "--parallel", str(parallel), "--port", str(port),
+           "--host", "127.0.0.1", "--no-webui", *extra]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
+    while time.time() < deadline:
+        if process.poll() is not None:
+            tail = [line for line in process.stderr.read().splitlines() if line.strip()][-1:]
+            raise RuntimeError(f"llama-server exited with status {process.returncode}: {' '.join(tail)}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise TimeoutError("llama-server did not load its model within 300 s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+class LlamaServer:
+    """One ``llama-server`` with the draft model, started when first used, for single-stream runs."""
+
+    def __init__(self, target: Path, draft: Path | None, threads: int) -> None:
+        if draft is None:
+            raise ValueError("llamacpp_draft needs a draft model (--draft)")
+        self.target, self.draft, self.threads = target, draft, threads
+        self.process, self.url = None, None
+
+    def close(self) -> None:
+        if self.process is not None:
+            stop(self.process)
+            self.process = None
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+            eos: frozenset[int] = frozenset()) -> dict:
+        """Decode ``prompt_ids`` as :meth:`specdec.bench.llamacpp.LlamaCpp.run` does: the answer
+        ends after a token of ``eos`` (the stream is closed there, which cancels the rest) or at
+        ``max_new_tokens``; the whole distribution at ``temperature`` (no top-k/top-p/min-p)."""
+        import httpx
+
+        if self.process is None:
+            self.process, self.url = start(self.target, self.draft, self.threads)
+        body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": temperature, "top_k": 0,
+                "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "seed": seed, "ignore_eos": True,
+                "cache_prompt": False, "return_tokens": True, "stream": True}
+        ids, timings, first = [], {}, None
+        start_time = time.perf_counter()
+        with httpx.stream("POST", self.url + "/completion", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                ids += [int(t) for t in chunk.get("tokens", [])]
+                first = first or (time.perf_counter() if ids else None)
+                timings = chunk.get("timings", timings)
+                if ids and (ids[-1] in eos or len(ids) >= max_new_tokens) or chunk.get("stop"):
+                    break
+        seconds = time.perf_counter() - start_time
+        ids = ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), max_new_tokens)]
+        return {"token_ids": ids, "metrics": {"generated_tokens": len(ids), "total_s": seconds,
+                                              "throughput_tok_s": len(ids) / seconds,
+                                              "ttft_s": (first or time.perf_counter()) - start_time,
+                                              "draft_tokens": timings.get("draft_n"),
+                                              "accepted_draft_tokens": timings.get("draft_n_accepted")}}

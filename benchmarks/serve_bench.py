@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -48,7 +49,19 @@ from specdec.models import registry
 from specdec.runtime.linear import DEFAULT_DTYPE
 
 
+PEERS = ("llamacpp", "llamacpp_draft")  # llama-server --parallel N, without and with the draft model
+
+
 def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`specdec serve` with ``method`` ("default", "none" or a proposer), or a peer server of
+    :data:`PEERS` on the same GGUF files, the same cores and as many parallel slots."""
+    if method in PEERS:
+        from specdec.bench import llama_server
+        from specdec.bench.llamacpp import gguf_file
+
+        draft = gguf_file(args.draft) if method == "llamacpp_draft" else None
+        return llama_server.start(gguf_file(args.target), draft, os.cpu_count() or 1, context=1024,
+                                  parallel=args.max_batch)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -103,22 +116,34 @@ def engine_counters(url: str, metrics_path: str = "/metrics") -> dict[str, float
 
 
 def one_request(url: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed greedy chat request: its TTFT, latency, tokens, text, and the error that ended
+    it (an HTTP status or a stream without its end) instead of raising."""
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, usage = None, None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=1800) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
-                first = time.perf_counter()
-            usage = chunk.get("usage") or usage
+    first, usage, text, done = None, None, [], False
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=1800) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                done = done or line.strip() == "data: [DONE]"
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                content = "".join(c["delta"].get("content") or "" for c in chunk.get("choices", []))
+                if content:
+                    first = first or time.perf_counter()
+                    text.append(content)
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
     end = time.perf_counter()
-    return {"ttft_s": (first or end) - start, "latency_s": end - start, "tokens": usage["completion_tokens"],
-            "accepted_per_call": usage["speculative"]["accepted_per_call"]}
+    if not done or usage is None:
+        return {"error": "the stream ended without its usage and [DONE]"}
+    tokens = usage["completion_tokens"]
+    return {"ttft_s": (first or end) - start, "latency_s": end - start, "tokens": tokens, "text": "".join(text),
+            "tpot_s": (end - (first or end)) / max(tokens - 1, 1),
+            "accepted_per_call": (usage.get("speculative") or {}).get("accepted_per_call")}
 
 
 def level_prompts(levels: list[tuple[int, int]], requests_of, count: int) -> dict[tuple[int, int], list[int]]:
@@ -136,11 +161,11 @@ def level_prompts(levels: list[tuple[int, int]], requests_of, count: int) -> dic
     return out
 
 
-def run_level(url: str, prompts: list, clients: int, requests: int, max_tokens: int) -> dict:
-    jobs = [[prompts[c * requests + i] for i in range(requests)] for c in range(clients)]
+def run_level(url: str, prompts: list, indices: list[int], clients: int, requests: int, max_tokens: int) -> dict:
+    jobs = [[indices[c * requests + i] for i in range(requests)] for c in range(clients)]
 
     def client(mine):
-        return [one_request(url, m, max_tokens) for m in mine]
+        return [{"prompt": i, **one_request(url, prompts[i], max_tokens)} for i in mine]
 
     before = engine_counters(url)
     start = time.perf_counter()
@@ -150,35 +175,56 @@ def run_level(url: str, prompts: list, clients: int, requests: int, max_tokens: 
     after = engine_counters(url)
     calls = after.pop("target_calls", 0.0) - before.pop("target_calls", 0.0)
     engine_s = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
-    tokens = sum(r["tokens"] for r in results)
-    return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
-            "throughput_tok_s": tokens / wall,
-            "median_ttft_s": statistics.median(r["ttft_s"] for r in results),
-            "median_latency_s": statistics.median(r["latency_s"] for r in results),
-            "median_request_tok_s": statistics.median(r["tokens"] / r["latency_s"] for r in results),
-            "median_accepted_per_call": statistics.median(r["accepted_per_call"] for r in results),
+    ok = [r for r in results if "error" not in r]
+    pct = lambda key, q: _percentile([r[key] for r in ok], q)  # noqa: E731
+    accepted = [r["accepted_per_call"] for r in ok if r["accepted_per_call"] is not None]
+    return {"clients": clients, "requests": len(results), "errors": len(results) - len(ok),
+            "tokens": sum(r["tokens"] for r in ok), "wall_s": wall,
+            "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
+            "median_ttft_s": pct("ttft_s", 50), "p99_ttft_s": pct("ttft_s", 99),
+            "p50_tpot_s": pct("tpot_s", 50), "p99_tpot_s": pct("tpot_s", 99),
+            "median_latency_s": pct("latency_s", 50),
+            "median_request_tok_s": _percentile([r["tokens"] / r["latency_s"] for r in ok], 50),
+            "median_accepted_per_call": statistics.median(accepted) if accepted else None,
             "engine_time_s": engine_s,  # where the engine's time went during the level
-            "target_calls": calls}
+            "target_calls": calls, "texts": {str(r["prompt"]): r.get("text") for r in results}}
 
 
-def report(runs: list[dict]) -> str:
-    """Per (method, clients): medians over rounds, and the median over rounds of the ratio to
-    plain decoding measured in the same round."""
-    lines = ["| server | clients | rounds | tokens per round | throughput tok/s | vs plain (same round) | per-round ratios | "
-             "median TTFT s | median latency s | median per-request tok/s | accepted/call | target forward ms/call |",
-             "|" + "---|" * 12]
+def _percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile, nearest rank (p99 of fewer than 100 values is their largest)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, -(-len(ordered) * q // 100) - 1))]
+
+
+def solo_answers(url: str, prompts: list, indices: list[int], max_tokens: int) -> dict[str, str | None]:
+    """The greedy answers to ``indices`` sent one at a time, for the answer-independence check."""
+    return {str(i): one_request(url, prompts[i], max_tokens).get("text") for i in indices}
+
+
+def report(runs: list[dict], solo: dict[str, dict]) -> str:
+    """Per (server, clients): medians over rounds, the median over rounds of the ratio to plain
+    decoding ("none") measured in the same round, and how many greedy answers under load equal the
+    same server's answers sent one at a time (``solo``: per server, prompt index -> text)."""
+    lines = ["| server | clients | rounds | throughput tok/s | vs specdec plain (same round) | per-round ratios | "
+             "TTFT p50 / p99 s | TPOT p50 / p99 ms | median latency s | accepted/call | errors | "
+             "answers = solo |", "|" + "---|" * 12]
     by = {(r.get("round", 0), r["method"], r["clients"]): r for r in runs}
     for method, clients in sorted({(r["method"], r["clients"]) for r in runs}):
         mine = sorted((r for r in runs if (r["method"], r["clients"]) == (method, clients)), key=lambda r: r.get("round", 0))
         ratios = [r["throughput_tok_s"] / by[(r.get("round", 0), "none", clients)]["throughput_tok_s"]
                   for r in mine if (r.get("round", 0), "none", clients) in by]
-        med = lambda key: statistics.median(r[key] for r in mine)
-        forward = [1000 * r["engine_time_s"].get("target_forward", 0.0) / r["target_calls"] for r in mine if r.get("target_calls")]
-        lines.append(f"| {method} | {clients} | {len(mine)} | {med('tokens'):.0f} | {med('throughput_tok_s'):.1f} | "
+        med = lambda key: statistics.median(r[key] for r in mine)  # noqa: E731
+        accepted = [r["median_accepted_per_call"] for r in mine if r.get("median_accepted_per_call") is not None]
+        checked = [(t, solo[method][i]) for r in mine for i, t in r.get("texts", {}).items() if i in solo.get(method, {})]
+        same = f"{sum(t is not None and t == s for t, s in checked)} / {len(checked)}" if checked else "-"
+        lines.append(f"| {method} | {clients} | {len(mine)} | {med('throughput_tok_s'):.1f} | "
                      f"{statistics.median(ratios) if ratios else float('nan'):.2f}x | "
-                     f"{' '.join(f'{x:.2f}' for x in ratios)} | {med('median_ttft_s'):.2f} | {med('median_latency_s'):.1f} | "
-                     f"{med('median_request_tok_s'):.1f} | {med('median_accepted_per_call'):.2f} | "
-                     f"{statistics.median(forward) if forward else float('nan'):.1f} |")
+                     f"{' '.join(f'{x:.2f}' for x in ratios)} | {med('median_ttft_s'):.2f} / {med('p99_ttft_s'):.2f} | "
+                     f"{1000 * med('p50_tpot_s'):.0f} / {1000 * med('p99_tpot_s'):.0f} | {med('median_latency_s'):.1f} | "
+                     f"{statistics.median(accepted) if accepted else float('nan'):.2f} | "
+                     f"{sum(r['errors'] for r in mine)} | {same} |")
     return "\n".join(lines)
 
 
@@ -187,7 +233,9 @@ def main() -> None:
     ap.add_argument("--target", default=registry.DEFAULT_TARGET)
     ap.add_argument("--dtype", default=DEFAULT_DTYPE)
     ap.add_argument("--methods", default="none,default",
-                    help="comma-separated: none, default (what `specdec serve` uses: hybrid over the head) or a proposer name")
+                    help="comma-separated: none, default (what `specdec serve` uses: hybrid over the head), a proposer "
+                    f"name, or a peer: {', '.join(PEERS)} (llama-server --parallel --max-batch; `make llama-server`)")
+    ap.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="the draft GGUF of llamacpp_draft")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client, sent one after another")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -197,7 +245,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "runs.jsonl"
-    runs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    runs = [r for r in map(json.loads, log.read_text().splitlines()) if "solo" not in r] if log.exists() else []
     done = {(r.get("round", 0), r["method"], r["clients"]) for r in runs}
     categories = [cat["prompts"] for cat in load_workloads().values()]
     prompts = [p if isinstance(p, list) else [{"role": "user", "content": p}]  # categories interleaved
@@ -211,9 +259,17 @@ def main() -> None:
     warmup = [{"role": "user", "content": "Say hello."}]  # not a bench prompt: nothing to copy from it
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     answered: dict[str, set[int]] = {}  # per server: the prompts it has answered (its shared history)
+    notes = []
     try:
         for method in dict.fromkeys(m for _, m, _ in todo):
-            servers[method] = start_server(args, method)
+            try:
+                servers[method] = start_server(args, method)
+            except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+                if method not in PEERS:
+                    raise
+                notes.append(f"> {method} did not start: {type(exc).__name__}: {exc}")  # a peer never fails the bench
+                todo = [t for t in todo if t[1] != method]
+                continue
             answered[method] = set()
             one_request(servers[method][1], warmup, 8)
         for rnd, method, clients in tqdm(todo, desc="serve bench", unit="level"):
@@ -226,14 +282,28 @@ def main() -> None:
             answered[method] |= set(mine)
             record = {"round": rnd, "method": method, "max_tokens": args.max_tokens, "dtype": args.dtype,
                       "prompt_indices": mine,
-                      **run_level(servers[method][1], [prompts[i] for i in mine], clients, requests_of(clients),
-                                  args.max_tokens)}
+                      **run_level(servers[method][1], prompts, mine, clients, requests_of(clients), args.max_tokens)}
             with log.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             runs.append(record)
+        solo = independence(args, servers, slices, prompts, log)
     finally:
         stop_servers(servers)
-    finish(args.out, report(runs))
+    finish(args.out, "\n\n".join([report(runs, solo), *notes]))
+
+
+def independence(args, servers: dict, slices: dict, prompts: list, log: Path) -> dict[str, dict]:
+    """Each server's solo answers to round 0's prompts at the most clients (resumable: kept in
+    ``log`` as ``{"solo": method, "texts": ...}`` lines)."""
+    most = max(int(c) for c in args.clients.split(","))
+    lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    solo = {r["solo"]: r["texts"] for r in lines if "solo" in r}
+    for method, (_, url) in servers.items():
+        if method not in solo and most > 1:
+            solo[method] = solo_answers(url, prompts, slices[(0, most)], args.max_tokens)
+            with log.open("a") as f:
+                f.write(json.dumps({"solo": method, "texts": solo[method]}) + "\n")
+    return solo
 
 
 if __name__ == "__main__":

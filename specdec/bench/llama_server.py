@@ -6,9 +6,10 @@ commit as the ``llamacpp_*`` methods, so ``llamacpp_plain`` is its plain decodin
 found as ``$SPECDEC_LLAMA_SERVER``, ``llama-server`` on the PATH, or where the make target puts
 it (:data:`BUILT`).
 
-* ``llamacpp_draft`` — the target GGUF with the draft GGUF (``--draft``), llama.cpp's defaults
-  for how many tokens to draft (``--spec-draft-n-max``, ``--spec-draft-p-min``: what a user of
-  ``llama-server -md`` gets), the same threads, one slot, no prompt cache between runs.
+* ``llamacpp_draft`` — the target GGUF with the draft GGUF (``--draft``; ``-md DRAFT --spec-type
+  draft-simple``: this commit loads a ``-md`` draft without the type but does not speculate with
+  it), llama.cpp's defaults for how many tokens to draft (``--spec-draft-n-max``,
+  ``--spec-draft-p-min``), the same threads, one slot, no prompt cache between runs.
 
 :func:`start` also serves ``benchmarks/serve_bench.py``'s llama.cpp peer (``--parallel N``).
 """
@@ -51,7 +52,9 @@ def start(target: Path, draft: Path | None, threads: int, context: int = 4096, p
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [str(exe), "-m", str(target), *(["-md", str(draft)] if draft is not None else []), "-t", str(threads),
+    # (this commit loads a -md draft but speculates only with an explicit --spec-type)
+    spec = ["-md", str(draft), "--spec-type", "draft-simple"] if draft is not None else []
+    cmd = [str(exe), "-m", str(target), *spec, "-t", str(threads),
            "-tb", str(threads), "-c", str(context * parallel), "--parallel", str(parallel), "--port", str(port),
            "--host", "127.0.0.1", "--no-webui", *extra]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -115,7 +118,7 @@ class LlamaServer:
                 ids += [int(t) for t in chunk.get("tokens", [])]
                 first = first or (time.perf_counter() if ids else None)
                 timings = chunk.get("timings", timings)
-                if ids and (ids[-1] in eos or len(ids) >= max_new_tokens) or chunk.get("stop"):
+                if chunk.get("stop") or ids and ids[-1] in eos:  # (n_predict ends it at max_new_tokens)
                     break
         seconds = time.perf_counter() - start_time
         ids = ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), max_new_tokens)]

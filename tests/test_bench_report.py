@@ -366,3 +366,29 @@ def test_serve_bench_report_has_tail_latencies_errors_and_answer_independence():
     text = serve_bench.report(runs, {"none": {"0": "a", "1": "b"}, "llamacpp_draft": {"0": "a", "1": "b"}})
     assert "| llamacpp_draft | 16 | 1 | 30.0 | 1.50x | 1.50 | 1.00 / 3.00 | 50 / 200 | 5.0 | nan | 1 | 1 / 2 |" in text
     assert "| none | 16 | 1 | 20.0 | 1.00x | 1.00 | 1.00 / 3.00 | 50 / 200 | 5.0 | nan | 0 | 2 / 2 |" in text
+
+
+def test_openvino_peer_server_streams_whole_characters_and_counts_tokens():
+    """The served OpenVINO peer's stream (its pipeline needs openvino; the stream does not): new
+    text only when it ends on a whole character, then usage and [DONE]."""
+    import asyncio
+
+    from specdec.bench.openvino_server import _stream
+
+    pieces = {1: "h", 2: "\ufffd", 3: "é", 4: "!"}  # token 2 alone is half of a character
+
+    class Tokenizer:
+        def decode(self, ids):
+            text = "".join(pieces[i] for i in ids)
+            return text.replace("\ufffdé", "é")
+
+    async def run():
+        tokens: asyncio.Queue = asyncio.Queue()
+        for new in ([1], [2], [3], [4], None):
+            tokens.put_nowait(new)
+        return [chunk async for chunk in _stream(Tokenizer(), tokens)]
+
+    chunks = asyncio.run(run())
+    deltas = [json.loads(c[6:].split("\n")[0])["choices"][0]["delta"]["content"] for c in chunks[:-1]]
+    assert deltas == ["h", "é", "!"]
+    assert '"completion_tokens": 4' in chunks[-1] and chunks[-1].endswith("data: [DONE]\n\n")

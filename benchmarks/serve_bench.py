@@ -92,7 +92,7 @@ def _start_vllm(args, method: str) -> tuple[subprocess.Popen, str]:
            "--port", str(port), "--served-model-name", "bench", "--max-model-len", "1024",
            "--max-num-seqs", str(args.max_batch),
            *(["--speculative-config", VLLM_NGRAM] if method == "vllm_ngram" else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "VLLM_CPU_KVCACHE_SPACE": "4"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "VLLM_CPU_KVCACHE_SPACE": "1"}
     return _wait_healthy(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env),
                          f"http://127.0.0.1:{port}", cmd)
 

@@ -122,8 +122,9 @@ class LlamaServer:
                     break
         seconds = time.perf_counter() - start_time
         ids = ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), max_new_tokens)]
+        ttft = (first or time.perf_counter()) - start_time
         return {"token_ids": ids, "metrics": {"generated_tokens": len(ids), "total_s": seconds,
-                                              "throughput_tok_s": len(ids) / seconds,
-                                              "ttft_s": (first or time.perf_counter()) - start_time,
+                                              "throughput_tok_s": len(ids) / seconds, "ttft_s": ttft,
+                                              "tpot_s": (seconds - ttft) / max(len(ids) - 1, 1),
                                               "draft_tokens": timings.get("draft_n"),
                                               "accepted_draft_tokens": timings.get("draft_n_accepted")}}

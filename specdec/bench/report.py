@@ -145,7 +145,7 @@ def write_report(results: dict, plots: list[Path]) -> str:
               "| method | temperature | TTFT ms | TPOT ms | tok/s | draft share |", "|---|---|---|---|---|---|"]
     for m in methods:
         for temp in temps:
-            rs = [r for r in runs if r["method"] == m and r["temperature"] == temp and "ttft_s" in r["metrics"]]
+            rs = [r for r in runs if r["method"] == m and r["temperature"] == temp and "time_breakdown_s" in r["metrics"]]
             if not rs:
                 continue
             med = {key: statistics.median(r["metrics"][key] for r in rs) for key in ("ttft_s", "tpot_s", "throughput_tok_s")}

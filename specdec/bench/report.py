@@ -139,10 +139,18 @@ def write_report(results: dict, plots: list[Path]) -> str:
                          f"{_per_position(acc)} | "
                          f"{statistics.median(r['metrics']['target_calls_per_token'] for r in rs):.3f} | "
                          f"{statistics.median(r['metrics']['throughput_tok_s'] for r in rs):.2f} |")
-    lines += ["", "## Time (our methods, medians over all prompts)", "",
-              "TTFT includes the prefill and the first token; TPOT is the mean time per later token; "
-              "draft share is the proposer's part of the total time (the draft's cost).", "",
-              "| method | temperature | TTFT ms | TPOT ms | tok/s | draft share |", "|---|---|---|---|---|---|"]
+    lines += _time_lines(runs, methods, temps)
+    lines += ["", "## Greedy check", ""] + _greedy_check_lines(runs) + _peer_lines(results)
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _time_lines(runs: list[dict], methods: list[str], temps: list[float]) -> list[str]:
+    """The time table: our methods only (a peer's run has no draft share)."""
+    lines = ["", "## Time (our methods, medians over all prompts)", "",
+             "TTFT includes the prefill and the first token; TPOT is the mean time per later token; "
+             "draft share is the proposer's part of the total time (the draft's cost).", "",
+             "| method | temperature | TTFT ms | TPOT ms | tok/s | draft share |", "|---|---|---|---|---|---|"]
     for m in methods:
         for temp in temps:
             rs = [r for r in runs if r["method"] == m and r["temperature"] == temp and "time_breakdown_s" in r["metrics"]]
@@ -152,6 +160,4 @@ def write_report(results: dict, plots: list[Path]) -> str:
             share = statistics.median(r["metrics"]["time_breakdown_s"]["draft"] / r["metrics"]["total_s"] for r in rs)
             lines.append(f"| {m} | {temp} | {med['ttft_s'] * 1e3:.0f} | {med['tpot_s'] * 1e3:.1f} | "
                          f"{med['throughput_tok_s']:.2f} | {share:.1%} |")
-    lines += ["", "## Greedy check", ""] + _greedy_check_lines(runs) + _peer_lines(results)
-    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
-    return "\n".join(lines) + "\n"
+    return lines

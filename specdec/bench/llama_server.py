@@ -44,25 +44,35 @@ def start(target: Path, draft: Path | None, threads: int, context: int = 4096, p
           extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     """Start ``llama-server`` on a free loopback port and wait until its model is loaded; returns
     (process, base url). ``context`` is the whole KV, shared by the ``parallel`` slots."""
-    import httpx
-
     exe = binary()
     if exe is None:
         raise FileNotFoundError(f"llama-server not found: {INSTALL_HINT}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # (this commit loads a -md draft but speculates only with an explicit --spec-type)
     spec = ["-md", str(draft), "--spec-type", "draft-simple"] if draft is not None else []
     cmd = [str(exe), "-m", str(target), *spec, "-t", str(threads),
            "-tb", str(threads), "-c", str(context * parallel), "--parallel", str(parallel), "--port", str(port),
            "--host", "127.0.0.1", "--no-webui", *extra]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.time() + 300
+    return wait_healthy(process, f"http://127.0.0.1:{port}", "llama-server", 300)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(process: subprocess.Popen, url: str, name: str, seconds: float) -> tuple[subprocess.Popen, str]:
+    """Wait until the server ``process`` answers ``url``/health with 200; a server that exits is a
+    one-line error (with its last stderr line when that is piped), one that takes longer is killed."""
+    import httpx
+
+    deadline = time.time() + seconds
     while time.time() < deadline:
         if process.poll() is not None:
-            tail = [line for line in process.stderr.read().splitlines() if line.strip()][-1:]
-            raise RuntimeError(f"llama-server exited with status {process.returncode}: {' '.join(tail)}")
+            tail = [line for line in process.stderr.read().splitlines() if line.strip()][-1:] if process.stderr else []
+            raise RuntimeError(f"{name} exited with status {process.returncode}: {' '.join(tail)}".rstrip(": "))
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return process, url
@@ -70,7 +80,7 @@ def start(target: Path, draft: Path | None, threads: int, context: int = 4096, p
             pass
         time.sleep(0.5)
     process.kill()
-    raise TimeoutError("llama-server did not load its model within 300 s")
+    raise TimeoutError(f"{name} did not start within {seconds:.0f} s")
 
 
 def stop(process: subprocess.Popen) -> None:

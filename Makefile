@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow test-ray models venv fuzz soak bench-serve bench-prefix bench-replicas bench-kernels bench-join llama-server
+.PHONY: demo test test-slow test-ray models venv fuzz soak bench-serve bench-prefix bench-replicas bench-kernels bench-join llama-server llamacpp
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -78,7 +78,7 @@ bench-join: models
 # same commit as the llamacpp_* methods; ~15 min on 2 cores), installed where the bench finds it.
 # On a CPU with AMX, ggml's native build crashes in its AMX matmul (SIGSEGV in
 # ggml_backend_amx_mul_mat, seen on an Intel Xeon VM), so there it is built for AVX-512 without AMX
-# (LLAMA_CPU_FLAGS; pip install llama-cpp-python takes the same flags as CMAKE_ARGS).
+# (LLAMA_CPU_FLAGS; `make llamacpp` installs llama-cpp-python, the llamacpp_* methods, with them).
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPU_FLAGS := $(shell grep -q amx_tile /proc/cpuinfo 2>/dev/null && echo "-DGGML_NATIVE=OFF -DGGML_AVX=ON \
 	-DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
@@ -94,3 +94,7 @@ llama-server: $(BIN)/.installed
 		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_CPU_FLAGS)
 	cmake --build build/llama-server --target llama-server -j $$(nproc)
 	install -D build/llama-server/bin/llama-server $(HOME)/.cache/specdec/llama.cpp/llama-server
+
+# llama-cpp-python (the `.[llamacpp]` extra, built from source) with the same CPU flags as llama-server
+llamacpp: $(BIN)/.installed
+	CMAKE_ARGS="$(LLAMA_CPU_FLAGS)" $(BIN)/pip install -e '.[llamacpp]'

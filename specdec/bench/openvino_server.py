@@ -58,7 +58,11 @@ class Batcher:
         running: list[tuple] = []
         while True:
             while not running or not self.incoming.empty():
-                running.append(self._add(*self.incoming.get()))
+                messages, max_tokens, out, loop = self.incoming.get()
+                try:
+                    running.append(self._add(messages, max_tokens, out, loop))
+                except Exception:  # a request it cannot take (its chat template, its tokenizer): ends empty
+                    loop.call_soon_threadsafe(out.put_nowait, None)
             self.pipe.step()
             for item in list(running):
                 handle, out, loop = item

@@ -9,6 +9,7 @@ from dataclasses import replace
 from specdec.cli.common import (UsageError, add_model_options, int_at_least, megabytes, port, speculation_of,
                                  with_default_draft)
 from specdec.prefix_cache import PREFIX_CACHE_MB
+from specdec.server.routing import ROUTINGS
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +53,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--threads-per-replica", type=int_at_least(1), default=None,
                      help="torch threads (and Ray CPUs) per replica, so that replicas on one machine do not "
                      "oversubscribe its cores (default: cores / replicas)")
-    ray.add_argument("--routing", choices=("prefix", "balance"), default=None,
+    ray.add_argument("--routing", choices=ROUTINGS, default=None,
                      help="prefix: a conversation's turns go to the replica that holds its history's KV (keyed by "
                      "the messages up to the first user message, a completion's first 256 characters, or the "
                      "header x-specdec-route-key); balance: the less loaded of two random replicas, for "

@@ -25,6 +25,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from specdec.server.routing import ROUTINGS
 from specdec.server.scheduler import ServeConfig
 
 APP = "specdec"  # the Serve application of the replicas
@@ -89,9 +90,6 @@ class Scaling:
         return {"autoscaling_config": {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
                                        "initial_replicas": max(self.min_replicas, min(self.replicas, self.max_replicas)),
                                        "target_ongoing_requests": self.target_ongoing}}
-
-
-ROUTINGS = ("prefix", "balance")  # by conversation (specdec.server.routing), or Serve's power of two choices
 
 
 def application(spec: ReplicaSpec, scaling: Scaling, routing: str = "prefix"):

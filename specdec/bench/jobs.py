@@ -157,18 +157,15 @@ class Bench:
         our methods stop where the answer ends, as a user's request does, instead of generating
         past the end-of-turn token (text no longer grounded in the input) up to ``max_new_tokens``."""
         eos = frozenset(self.gen.eos_token_ids) if stop_at_eos else frozenset()
-        if method == "llamacpp_draft":
+        if method == "llamacpp_draft" or method.startswith("openvino_"):  # peers that can fail on this machine
             try:
-                return self.llama_server().run(prompt_ids, self.max_new_tokens, temperature, seed, eos)
-            except Exception as exc:  # a peer's own failure (its start, its file reader, its HTTP)
+                if method == "llamacpp_draft":
+                    return self.llama_server().run(prompt_ids, self.max_new_tokens, temperature, seed, eos)
+                return self.openvino().run(method, prompt_ids, self.max_new_tokens, temperature, seed, stop_at_eos)
+            except Exception as exc:  # its start, its file reader, its device plugin, its HTTP
                 raise PeerFailed(f"{method} failed: {type(exc).__name__}: {_last_line(exc)}") from exc
         if method.startswith("llamacpp_"):
             return self.llamacpp().run(method, prompt_ids, self.max_new_tokens, temperature, seed, eos)
-        if method.startswith("openvino_"):
-            try:
-                return self.openvino().run(method, prompt_ids, self.max_new_tokens, temperature, seed, stop_at_eos)
-            except Exception as exc:  # a peer's own failure (its file reader, its device plugin)
-                raise PeerFailed(f"{method} failed: {type(exc).__name__}: {_last_line(exc)}") from exc
         if method.startswith("hf_"):
             from specdec.bench.hf import hf_generate
 

@@ -33,10 +33,10 @@ from specdec.adaptive import K_MAX, AdaptiveK, CallCosts, ShapeRace, TreeBudget,
 from specdec.blocks import Block, ChainBlock, RowKind, block_of, row_kind
 from specdec.metrics import GenerationMetrics, Timings
 from specdec.prefix_cache import PrefixCache
-from specdec.proposers.base import Proposal, Proposer, tree_shape
+from specdec.proposers.base import Proposer, no_drafts, tree_shape
 from specdec.runtime import elementwise
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingParams, probs_per_row, sample_at
+from specdec.sampling import SamplingMetadata, SamplingParams, probs_per_row, sample_at
 from specdec.reproducible import PositionUniforms
 from specdec.verify import ChainVerification, verify_chain_unchecked
 
@@ -347,13 +347,12 @@ class Engine:
         with self.timer.phase("prefill"):
             joining, logits, hidden, calls = self._prefill(joining)  # [N, 1, V], [N, L, E] or None
         self.metrics.target_calls += calls
-        prompts = [r.request.prompt for r in joining]
-        params = [r.request.params for r in joining]
+        sampling = SamplingMetadata([r.request.params for r in joining])
         with self.timer.phase("verification"):
-            first = self._verify(joining, logits, ChainBlock(Proposal(torch.zeros(len(joining), 0, dtype=torch.long), None)))
+            first = self._verify(joining, logits, ChainBlock(no_drafts(len(joining))), sampling)
         if self.proposer is not None:
             with self.timer.phase("draft"):
-                self.proposer.add(prompts, params, self.g_draft, target_hidden=hidden)
+                self.proposer.add([r.request.prompt for r in joining], target_hidden=hidden)
         if not self.metrics.timings.ttft:
             self.metrics.timings.ttft = sum(self.timer.step.values())
         self.rows += joining
@@ -433,19 +432,22 @@ class Engine:
 
     def _decode(self) -> list[RowState]:
         """propose -> one target call -> verify -> commit / roll back -> observe."""
-        pending = [r.pending for r in self.rows]  # one list object: a hybrid feeds its index once per list
+        sampling = SamplingMetadata([r.request.params for r in self.rows], self.g_draft)  # this step's, once
         # The controllers learn from this decoding step's own times: a step that also joined
         # requests spent "draft" time on their proposer prefill (``add``) and "verification"
         # time on their first tokens, which say nothing about the cost of a draft token.
         mark = dict(self.timer.step)
-        controller, tree = self._controller(pending)
-        block = self._propose(controller, pending, tree)
+        if self.proposer is not None:
+            with self.timer.phase("draft"):
+                self._source = self.proposer.feed([r.pending for r in self.rows])
+        controller, tree = self._controller(sampling)
+        block = self._propose(controller, tree, sampling)
         with self.timer.phase("target_forward"):
             before = self.cache.lengths.clone()
             logits, hidden = block.score(self.target, self.cache, self.last, self.want_hidden, self.hidden_layers)
         self.metrics.target_calls += 1
         with self.timer.phase("verification"):
-            result = self._verify(self.rows, logits, block)
+            result = self._verify(self.rows, logits, block, sampling)
         with self.timer.phase("cache"):
             self.last, hidden = block.commit_kv(self.cache, before, result, hidden)
         if self.proposer is not None:
@@ -461,31 +463,28 @@ class Engine:
         self._record(block, result, hidden)
         return list(self.rows)
 
-    def _controller(self, pending: list[list[int]]) -> tuple[AdaptiveK | TreeBudget | None, bool]:
+    def _controller(self, sampling: SamplingMetadata) -> tuple[AdaptiveK | TreeBudget | None, bool]:
         """This step's shape (a tree or a chain: :func:`tree_shape`, the source's
         :class:`ShapeRace` choosing under adaptive k) and the k controller of the source the
-        proposer will use next (adaptive k only)."""
+        proposer uses next (adaptive k only)."""
         if self.proposer is None:
             return None, False
-        chains = self.proposer.tree_mode == "chains"  # (then no row's params matter)
-        params = [] if chains else [r.request.params for r in self.rows]
         if self.controllers is None:
-            return None, tree_shape(self.proposer.tree_mode, True, params)
-        self._source = self.proposer.next_source(pending)
+            return None, tree_shape(self.proposer.tree_mode, True, sampling)
         wanted = self.races.setdefault(self._source, ShapeRace()).choose() if self.races is not None else True
-        tree = tree_shape(self.proposer.tree_mode, wanted, params)
+        tree = tree_shape(self.proposer.tree_mode, wanted, sampling)
         key = f"{self._source}:{'tree' if tree else 'chain'}"
         if key not in self.controllers:
             self.controllers[key] = (TreeBudget(self.k_max, verify_cost=self.call_costs) if tree
                                      else AdaptiveK(k_max=self.k_max, verify_cost=self.call_costs))
         return self.controllers[key], tree
 
-    def _propose(self, controller, pending: list[list[int]], tree: bool) -> Block:
+    def _propose(self, controller, tree: bool, sampling: SamplingMetadata) -> Block:
         """The drafts of this step: a chain of at most k tokens per row (one token fewer than the
         longest row still needs), or a tree of at most k nodes that deep; none without a proposer."""
         batch = len(self.rows)
         if self.proposer is None:
-            return ChainBlock(Proposal(torch.zeros(batch, 0, dtype=torch.long), None))
+            return ChainBlock(no_drafts(batch))
         remaining = max(r.request.max_new_tokens - len(r.token_ids) for r in self.rows)
         # The block writes positions lengths .. lengths + k of every row: no row may pass the
         # context (ragged acceptance can leave a long row near its end while others still draft).
@@ -494,12 +493,12 @@ class Engine:
         k = controller.choose(batch) if controller is not None else self.k
         k = min(k, room) if tree else min(k, depth_cap)
         with self.timer.phase("draft"):
-            proposal = self.proposer.propose(pending, k, tree)
+            proposal = self.proposer.propose(k, tree, sampling)
             if proposal.size > k:
                 raise ValueError(f"the proposer returned {proposal.size} tokens, more than k={k}")
             return block_of(proposal).fit(depth_cap, controller)
 
-    def _verify(self, rows: list[RowState], logits: torch.Tensor, block: Block):
+    def _verify(self, rows: list[RowState], logits: torch.Tensor, block: Block, sampling: SamplingMetadata):
         """``logits`` ``[B, k+1, V]`` (a tree: ``[B, N+1, V]``) -> the committed tokens, each row by
         its :class:`~specdec.blocks.RowKind`: greedy rows commit the target's argmax, seeded rows
         the target's inverse-CDF draws at their own uniforms, the others go through rejection
@@ -507,13 +506,13 @@ class Engine:
         if not elementwise.all_finite(logits):
             logits = self._fail_non_finite(rows, logits)
         batch = len(rows)
-        kinds = [row_kind(r.request.params.greedy, r.uniforms is not None) for r in rows]
+        kinds = [row_kind(p.greedy, r.uniforms is not None) for p, r in zip(sampling.params, rows)]
         other = [i for i, kind in enumerate(kinds) if kind is RowKind.REJECTION]
         rejection = None
         if other:
             whole = len(other) == batch
             part = block if whole else block.rows(torch.tensor(other))
-            probs = probs_per_row(logits if whole else logits[other], [rows[i].request.params for i in other])
+            probs = probs_per_row(logits if whole else logits[other], sampling.rows(other).params)
             rejection = part.verify_sampled(probs, self.g_verify, self.verifier)
             if whole:
                 return rejection
@@ -525,7 +524,7 @@ class Engine:
         if seeded:
             width = block.draw_width(seeded)
             u = torch.stack([rows[i].uniforms.take(len(rows[i].token_ids), width) for i in seeded])  # [S, width]
-            probs = probs_per_row(logits[seeded], [rows[i].request.params for i in seeded])
+            probs = probs_per_row(logits[seeded], sampling.rows(seeded).params)
             drawn[seeded] = sample_at(probs, block.slot_uniforms(u, seeded))
         result = block.verify_drawn(drawn)
         if rejection is not None:

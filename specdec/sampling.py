@@ -29,7 +29,7 @@ MAX_TEMPERATURE = 100.0
 # the lowest id.
 GREEDY_BELOW = 1e-40
 
-__all__ = ["GREEDY_BELOW", "MAX_TEMPERATURE", "SamplingParams", "greedy_one_hot", "probs_from_logits", "probs_per_row", "sample", "sample_at"]
+__all__ = ["GREEDY_BELOW", "MAX_TEMPERATURE", "SamplingMetadata", "SamplingParams", "greedy_one_hot", "probs_from_logits", "probs_per_row", "sample", "sample_at"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,36 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class SamplingMetadata:
+    """How the rows of one step sample: built once per step by the engine and handed to the
+    proposer and to verification (vLLM's ``SamplingMetadata``), so that no one else keeps a
+    per-row params list or asks "is this row greedy?" again.
+
+    ``params``: one :class:`SamplingParams` per row, in batch order. ``generator``: the engine's
+    draft stream (what proposers sample their drafts from; None where nothing is drawn)."""
+
+    __slots__ = ("params", "generator", "all_greedy", "all_random")
+
+    def __init__(self, params: list[SamplingParams] | tuple[SamplingParams, ...],
+                 generator: torch.Generator | None = None) -> None:
+        self.params = tuple(params)
+        self.generator = generator
+        self.all_greedy = all(p.greedy for p in self.params)  # (True for no rows)
+        self.all_random = bool(self.params) and not any(p.greedy for p in self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def rows(self, index: list[int]) -> "SamplingMetadata":
+        """The metadata of the rows ``index`` only."""
+        return SamplingMetadata([self.params[i] for i in index], self.generator)
+
+    def ranking(self) -> list[SamplingParams]:
+        """Per row, the params that rank draft candidates: the row's own, or temperature 1 for a
+        greedy row (whose processed distribution is one-hot and would rank nothing)."""
+        return [p if not p.greedy else SamplingParams(temperature=1.0) for p in self.params]
 
 
 def greedy_one_hot(logits: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -108,7 +138,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def probs_per_row(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def probs_per_row(logits: torch.Tensor, params: list[SamplingParams] | tuple[SamplingParams, ...]) -> torch.Tensor:
     """``logits`` ``[B, ..., V]`` with one :class:`SamplingParams` per row -> probabilities.
 
     One vectorised call when every row shares its parameters (the common case)."""

@@ -228,12 +228,12 @@ def test_a_poisoned_row_fails_alone_and_the_others_match_their_solo_answers(pair
         return states
 
     class Poisoning(Engine):
-        def _verify(self, rows, logits, proposal):
+        def _verify(self, rows, logits, proposal, sampling):
             for b, row in enumerate(rows):
                 if row.request.prompt == prompts[poisoned] and (at_prefill or len(row.token_ids) >= 3):
                     logits = logits.clone()
                     logits[b, -1, 7] = float("nan")
-            return super()._verify(rows, logits, proposal)
+            return super()._verify(rows, logits, proposal, sampling)
 
     solo = [run([i])[0] for i in range(8)]
     batch = run(range(8), Poisoning)

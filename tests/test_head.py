@@ -21,7 +21,7 @@ from specdec.sampling import SamplingParams, sample
 from specdec.training import features
 from specdec.training.train import Dataset, TrainConfig, evaluate, train, vocab_subset
 from stats import ALPHA, chi_square_pvalue
-from tiny_models import exact_joint, hf_tiny, ours
+from tiny_models import draft_step, exact_joint, hf_tiny, ours
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3]]
@@ -260,22 +260,21 @@ def test_head_cache_rollback_equals_fresh_computation(trained, params):
     cache = int8.new_cache(1, 64)
     _, hidden = int8(torch.tensor([prompt]), cache, return_hidden=True)
     proposer = _head_proposer(net, int8)
-    proposer.add([prompt], [params], g(), target_hidden=hidden)
-    drafts = proposer.propose([[7]], 4).tokens[0].tolist()
+    proposer.add([prompt], target_hidden=hidden)
+    drafts = draft_step(proposer, [[7]], 4, params, g()).tokens[0].tolist()
     block = [7] + drafts
     _, block_hidden = int8(torch.tensor([block]), cache, return_hidden=True)
     accepted = 2
     proposer.observe(torch.tensor([accepted]), target_hidden=block_hidden)
     committed = drafts[:accepted] + [31]  # accepted drafts, then a replacement token
-    proposer.generator = g()  # the same random state as the fresh proposer's below
-    after = proposer.propose([committed], 3)
+    after = draft_step(proposer, [committed], 3, params, g())  # the same random state as the fresh proposer's below
 
     text = prompt + [7] + drafts[:accepted]
     fresh_cache = int8.new_cache(1, 64)
     _, fresh_hidden = int8(torch.tensor([text]), fresh_cache, return_hidden=True)
     fresh = _head_proposer(net, int8)
-    fresh.add([text], [params], g(), target_hidden=fresh_hidden)
-    expected = fresh.propose([[31]], 3)
+    fresh.add([text], target_hidden=fresh_hidden)
+    expected = draft_step(fresh, [[31]], 3, params, g())
     assert torch.equal(after.tokens, expected.tokens)
     if params.greedy:
         assert after.probs is None and expected.probs is None
@@ -288,8 +287,8 @@ def test_ids_outside_the_subset_are_never_drafted(fp32_target):
     proposer = _head_proposer(net, fp32_target)
     prompt = [1, 2, 3]
     _, hidden = fp32_target(torch.tensor([prompt]), fp32_target.new_cache(1, 8), return_hidden=True)
-    proposer.add([prompt], [SamplingParams(temperature=1.0)], torch.Generator().manual_seed(0), target_hidden=hidden)
-    out = proposer.propose([[4]], 3)
+    proposer.add([prompt], target_hidden=hidden)
+    out = draft_step(proposer, [[4]], 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
     outside = torch.ones(fp32_target.vocab_size, dtype=torch.bool)
     outside[net.vocab_ids] = False
     assert torch.all(out.probs[..., outside] == 0)
@@ -304,8 +303,8 @@ def test_sampling_over_the_subset_draws_what_the_full_q_would(fp32_target):
     proposer = _head_proposer(net, fp32_target)
     prompts = [[1, 2, 3], [7, 3, 9]]
     _, hidden = fp32_target(torch.tensor(prompts), fp32_target.new_cache(2, 8), return_hidden=True)
-    proposer.add(prompts, [SamplingParams(temperature=1.3)] * 2, torch.Generator().manual_seed(5), target_hidden=hidden)
-    out = proposer.propose([[4], [5]], 4)
+    proposer.add(prompts, target_hidden=hidden)
+    out = draft_step(proposer, [[4], [5]], 4, SamplingParams(temperature=1.3), torch.Generator().manual_seed(5))
     g = torch.Generator().manual_seed(5)
     expected = torch.stack([sample(out.probs[:, i], g) for i in range(4)], 1)  # one uniform per row per draft
     assert torch.equal(out.tokens, expected)
@@ -784,9 +783,9 @@ class _RecordingCut(HeadProposer):
         super().__init__(*args, **kwargs)
         self.steps = []
 
-    def propose(self, pending, k, tree=False):
+    def propose(self, k, tree, sampling):
         self.steps.append({"k": k, "conf": []})
-        proposal = super().propose(pending, k, tree)
+        proposal = super().propose(k, tree, sampling)
         self.steps[-1]["size"], self.steps[-1]["declined"] = proposal.size, proposal.declined
         return proposal
 

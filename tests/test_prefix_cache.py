@@ -88,8 +88,8 @@ class _Logged:
         self.inner, self.log = inner, []
         self.tree_mode, self.wants_target_hidden = inner.tree_mode, inner.wants_target_hidden
 
-    def propose(self, pending, k, tree=False):
-        proposal = self.inner.propose(pending, k, tree)
+    def propose(self, k, tree, sampling):
+        proposal = self.inner.propose(k, tree, sampling)
         self.log.append(proposal.tokens.tolist())
         return proposal
 

@@ -69,13 +69,16 @@ class RepeatProposer(SingleSource):
     def __init__(self):
         self.last: list[int] = []
 
-    def add(self, prompts, params, generator, target_hidden=None):
+    def add(self, prompts, target_hidden=None):
         self.last += [p[-1] for p in prompts]
 
-    def propose(self, pending, k, tree=False):
-        for row, ids in enumerate(pending):  # the tokens committed since the last call
+    def feed(self, pending):
+        for row, ids in enumerate(pending):  # the tokens committed since the last step
             if ids:
                 self.last[row] = ids[-1]
+        return "default"
+
+    def propose(self, k, tree, sampling):
         tokens = torch.tensor([[t] * k for t in self.last], dtype=torch.long)  # [B, k]
         return Proposal(tokens=tokens, probs=None)  # probs None: deterministic drafts
 

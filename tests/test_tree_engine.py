@@ -17,10 +17,10 @@ from specdec.proposers.head import HeadTreeProposer
 from specdec.runtime.head import DraftHead, HeadConfig
 from specdec.training.head_net import HeadNet
 from specdec.proposers.suffix import SuffixHistory, SuffixIndex, SuffixProposer, best_path, build_tree
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingMetadata, SamplingParams, probs_from_logits
 from specdec.tree import TreeVerification, verify_tree
 from stats import ALPHA, chi_square_pvalue
-from tiny_models import exact_joint, hf_tiny, ours
+from tiny_models import draft_step, exact_joint, hf_tiny, ours
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 4, 5], [7, 8, 9, 7, 8, 9, 7], [3]]
@@ -134,10 +134,12 @@ def test_tree_proposers_draft_chains_while_every_row_samples(target):
         mode = proposers[kind]().tree_mode
         assert mode == "trees"
         sampled, greedy = [SamplingParams(temperature=0.7)], [SamplingParams(temperature=0.0)]
-        assert not tree_shape(mode, True, sampled)
-        assert tree_shape(mode, True, sampled + greedy)
-        assert not tree_shape(mode, False, sampled + greedy)  # the engine's ShapeRace asks for chains
-        assert tree_shape("always", False, sampled) and not tree_shape("chains", True, greedy)
+        both = SamplingMetadata(sampled + greedy)
+        assert not tree_shape(mode, True, SamplingMetadata(sampled))
+        assert tree_shape(mode, True, both)
+        assert not tree_shape(mode, False, both)  # the engine's ShapeRace asks for chains
+        assert tree_shape("always", False, SamplingMetadata(sampled))
+        assert not tree_shape("chains", True, SamplingMetadata(greedy))
 
 
 def test_greedy_rows_stay_identical_when_the_batch_switches_to_chains(target):
@@ -163,8 +165,8 @@ def test_suffix_best_path_follows_the_most_frequent_children():
     assert best_path([1, 2, 3, 4], [-1, 0, 0, 1], [1.0, 0.25, 0.75, 0.25]) == [1, 3]
     assert best_path([], [], []) == []
     proposer = SuffixProposer(min_match=1)
-    proposer.add([[5, 6, 7, 5, 6, 8, 5, 6, 7, 5]], [SamplingParams(temperature=0.9)], torch.Generator())
-    chain = proposer.propose([[]], 3, tree=False)
+    proposer.add([[5, 6, 7, 5, 6, 8, 5, 6, 7, 5]])
+    chain = draft_step(proposer, [[]], 3, SamplingParams(temperature=0.9), torch.Generator())
     assert not chain.is_tree and chain.tokens.tolist() == [[6, 8, 5]]  # after the longest earlier match "5 6 7 5"
 
 
@@ -188,9 +190,9 @@ def test_head_tree_candidates_are_the_heads_own_best_guesses(target):
     tree = HeadTreeProposer(head, 32, width=3, depth=3, min_score=0.0)  # (an untrained head is unsure)
     chain = HeadProposer(head, 32)
     for p in (tree, chain):
-        p.add(prompt, [GREEDY], torch.Generator().manual_seed(0), target_hidden=hidden)
-    t = tree.propose([[7]], 9, tree=True)
-    c = chain.propose([[7]], 3)
+        p.add(prompt, target_hidden=hidden)
+    t = draft_step(tree, [[7]], 9, tree=True)
+    c = draft_step(chain, [[7]], 3)
     roots = t.tokens[0][t.parents[0] == -1]
     assert c.tokens[0, 0] == roots[0]
     assert roots.numel() == 3
@@ -298,7 +300,7 @@ def test_suffix_history_is_bounded_and_never_matches_across_outputs():
 # -- the suffix proposer's copy cursor, re-entry points and learned replacements -------------------
 def _copy_proposer(prompt):
     proposer = SuffixProposer(tree_mode="always")
-    proposer.add([prompt], [GREEDY], torch.Generator())
+    proposer.add([prompt])
     return proposer
 
 
@@ -314,7 +316,7 @@ def test_suffix_proposer_follows_the_copy_it_is_making():
     seg = list(range(1, 11))
     source = [50] + seg + [60] + [51] + seg + [61] + [99]
     lookup_only = SuffixProposer(tree_mode="always")
-    lookup_only.add([source + seg], [GREEDY], torch.Generator())
+    lookup_only.add([source + seg])
     assert _best(lookup_only.lookup(1)) == [61]
     proposer = _copy_proposer(source + [50, 1])
     proposer.feed([[]])

@@ -185,3 +185,14 @@ def perturbed(hf, scale: float, seed: int):
         for p in hf.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
     return hf
+
+
+def draft_step(proposer, pending, k, params=None, generator=None, tree=False):
+    """One drafting step of a proposer outside an engine, as the engine runs it: ``feed`` the
+    committed ids, then ``propose`` under one :class:`SamplingParams` for every row (greedy by
+    default) and the draft stream ``generator``."""
+    from specdec.sampling import SamplingMetadata, SamplingParams
+
+    proposer.feed(pending)
+    params = SamplingParams(temperature=0.0) if params is None else params
+    return proposer.propose(k, tree, SamplingMetadata([params] * len(pending), generator))

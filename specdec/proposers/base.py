@@ -14,14 +14,14 @@ from typing import Literal, Protocol
 import torch
 
 from specdec.runtime import elementwise
-from specdec.sampling import SamplingParams, probs_per_row, sample
+from specdec.sampling import SamplingMetadata, probs_per_row, sample
 
 
-def draft_token(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None,
-                vocab_ids: torch.Tensor | None, vocab_size: int, who: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draft_token(logits: torch.Tensor, sampling: SamplingMetadata, vocab_ids: torch.Tensor | None, vocab_size: int,
+                who: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft token per row from a model's ``logits`` ``[B, N]`` over ``vocab_ids`` (full-vocabulary
-    ids, sorted; ``None``: the N logits are the whole vocabulary of ``vocab_size``). Returns
-    ``(token [B, 1], q [B, V] or None)``.
+    ids, sorted; ``None``: the N logits are the whole vocabulary of ``vocab_size``), drawn from
+    ``sampling.generator``. Returns ``(token [B, 1], q [B, V] or None)``.
 
     Greedy rows never read q (the engine commits the target's argmax), so when every row is greedy
     the argmax is drafted as a deterministic candidate and no q is built. Otherwise q is processed
@@ -29,18 +29,26 @@ def draft_token(logits: torch.Tensor, params: list[SamplingParams], generator: t
     them — and sampled there: with sorted ids the subset's CDF is the full q's with its empty steps
     left out, so the same uniform picks the same token, over fewer ids. ``who`` names the model
     in the error for non-finite logits."""
-    if all(p.greedy for p in params):
+    if sampling.all_greedy:
         best = elementwise.argmax(logits)  # [B]
         return (best if vocab_ids is None else vocab_ids[best]).unsqueeze(1), None
     if not elementwise.all_finite(logits):
         raise ValueError(f"the {who} produced non-finite logits")
-    sub = probs_per_row(logits, params)  # [B, N]
-    picked = sample(sub, generator)  # [B]
+    sub = probs_per_row(logits, sampling.params)  # [B, N]
+    picked = sample(sub, sampling.generator)  # [B]
     if vocab_ids is None:
         return picked.unsqueeze(1), sub
     q = sub.new_zeros(sub.shape[0], vocab_size)  # [B, V]: zero outside the subset
     q[:, vocab_ids] = sub
     return vocab_ids[picked].unsqueeze(1), q
+
+
+def no_drafts(batch: int, tree: bool = False) -> Proposal:
+    """The empty proposal of ``batch`` rows (k = 0): a chain, or an empty tree."""
+    empty = torch.zeros(batch, 0, dtype=torch.long)
+    if tree:
+        return Proposal(empty, None, parents=empty.clone(), scores=torch.zeros(batch, 0))
+    return Proposal(empty, None)
 
 
 @dataclass
@@ -148,24 +156,23 @@ class Proposer(Protocol):
     # to ``propose``.
     tree_mode: TreeMode
 
-    def next_source(self, pending: list[list[int]]) -> str:
-        """Which proposer the next ``propose`` uses ("default" for a single one): adaptive k keeps
-        one controller per source. The engine passes ``next_source`` and the ``propose`` of the
-        same step the same ``pending`` list object (a hybrid feeds its lookup index once per list)."""
-
-    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-            target_hidden: torch.Tensor | None = None) -> None:
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
         """New rows join at the end of the batch (continuous batching; the first call starts
         it): ``prompts`` are the token ids already in each new row's context; ``target_hidden``
-        ``[N, L, E]`` their target features when ``wants_target_hidden``. ``generator``: the
-        engine's draft stream (the same object at every call)."""
+        ``[N, L, E]`` their target features when ``wants_target_hidden``."""
 
-    def propose(self, pending: list[list[int]], k: int, tree: bool) -> Proposal:
+    def feed(self, pending: list[list[int]]) -> str:
+        """Take the tokens each row committed since the last ``feed`` (the first call: the first
+        generated token). The engine calls it once per decoding step, before ``propose``; a
+        proposer that drafts from a model may hold them until its next forward. Returns which
+        source the coming ``propose`` uses ("default" for a single one): adaptive k keeps one
+        controller per source."""
+
+    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         """Propose ``k`` tokens per row: a chain, or with ``tree`` a tree of at most ``k`` nodes
-        (the engine passes ``tree`` only to a proposer whose ``tree_mode`` allows it).
-        ``pending[b]`` holds the tokens committed since the last call (the first call gets the
-        first generated token): the proposer has not seen them yet. ``Proposal.caught_up`` says
-        whether it also fed tokens it had skipped."""
+        (the engine passes ``tree`` only to a proposer whose ``tree_mode`` allows it), sampling
+        as ``sampling`` says (this step's rows, in batch order, and the draft stream).
+        ``Proposal.caught_up`` says whether it also fed tokens it had skipped."""
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         """``num_accepted`` ``[B]``: how many of the last proposal's tokens the target accepted (for
@@ -181,9 +188,6 @@ class LookupProposer(Proposer, Protocol):
     """A proposer that drafts by looking the committed text up (n-gram, suffix): what a
     :class:`~specdec.proposers.hybrid.HybridProposer` calls besides the :class:`Proposer` protocol."""
 
-    def feed(self, pending: list[list[int]]) -> None:
-        """Index the tokens committed since the last call (once per step's ``pending`` list)."""
-
     def has_match(self, k: int = 1) -> list[bool]:
         """Per row: whether a lookup would draft now (after :meth:`feed`)."""
 
@@ -197,22 +201,15 @@ class SingleSource:
 
     feature_layers: tuple[int, ...] = ()
 
-    def next_source(self, pending: list[list[int]]) -> str:
-        return "default"
 
-
-def tree_shape(mode: TreeMode, wanted: bool, params: list[SamplingParams]) -> bool:
+def tree_shape(mode: TreeMode, wanted: bool, sampling: SamplingMetadata) -> bool:
     """Whether the next proposal is a tree: the one place the shape is decided (the engine calls
-    it). ``wanted``: the engine's :class:`~specdec.adaptive.ShapeRace` (True without one)."""
-    return mode == "always" or (mode == "trees" and wanted and not all_sample(params))
+    it). ``wanted``: the engine's :class:`~specdec.adaptive.ShapeRace` (True without one).
 
-
-def all_sample(params: list[SamplingParams]) -> bool:
-    """Whether every row samples (no greedy row): the tree proposers then draft chains.
-
-    Measured on this CPU (docs/CHANGELOG.md, 'all layers in one call'): at temperature > 0 a tree of deterministic
+    While every row samples, the tree proposers draft chains. Measured on this CPU
+    (docs/CHANGELOG.md, 'all layers in one call'): at temperature > 0 a tree of deterministic
     candidates commits few more tokens per call than a chain (a candidate x is accepted with
     probability p(x), a sampled draft with min(1, p/q)), while its extra nodes and drafting levels
     cost time; hybrid_tree ran at 0.90x of hybrid_head at T = 0.7. With any greedy row the tree
     stays: greedy rows gain from siblings, and a chain of sampled drafts would not be theirs."""
-    return bool(params) and all(not p.greedy for p in params)
+    return mode == "always" or (mode == "trees" and wanted and not sampling.all_random)

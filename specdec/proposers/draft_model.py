@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource, draft_token
+from specdec.proposers.base import Proposal, SingleSource, draft_token, no_drafts
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingMetadata
 
 
 class DraftModelProposer(SingleSource):
@@ -27,15 +27,12 @@ class DraftModelProposer(SingleSource):
         self.capacity = capacity
         self.vocab_ids, self.vocab_size = vocab_ids, vocab_size
         self.cache = None
-        self.params: list[SamplingParams] = []
-        self._pending_prefix: list[list[int]] = []  # per row: committed ids not yet fed (skipped while k = 0)
+        self._unfed: list[list[int]] = []  # per row: committed ids not yet fed to the draft model
         self._skip: list[int] = []  # per row: accepted drafts already in the cache, to skip in ``pending``
         self._fed_drafts = 0  # draft tokens of the last proposal that were written into the cache
 
-    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-            target_hidden: torch.Tensor | None = None) -> None:
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
         """New rows: their prompts are prefilled now, in one call over just those rows."""
-        self.params, self.generator = self.params + list(params), generator
         if self.cache is None:
             self.cache = self.model.new_cache(0, self.capacity)
         start = self.cache.batch
@@ -46,21 +43,23 @@ class DraftModelProposer(SingleSource):
         self.model(padded, rows, logit_index=(counts - 1).unsqueeze(1))  # (the logits come with the first token)
         rows.truncate(counts)
         self.cache.set_lengths(start, rows.lengths)
-        self._pending_prefix += [[] for _ in prompts]
+        self._unfed += [[] for _ in prompts]
         self._skip += [0] * len(prompts)
 
-    def propose(self, pending: list[list[int]], k: int, tree: bool = False) -> Proposal:
-        batch = len(pending)
-        # Skip the accepted drafts already in the cache; prepend what k = 0 steps held back.
-        feed = [pre + new[skip:] for pre, new, skip in zip(self._pending_prefix, pending, self._skip)]
-        self._pending_prefix = [[] for _ in range(batch)]
-        self._skip = [0] * batch
-        if k == 0:
-            # No drafts this step (adaptive k turned speculation off): run nothing; the tokens
-            # are fed in one forward the next time drafts are wanted.
-            self._pending_prefix = feed
-            self._fed_drafts = 0
-            return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
+    def feed(self, pending: list[list[int]]) -> str:
+        """Queue the committed ids, less the accepted drafts already in the cache; they are fed
+        with the next proposal's forward (steps with k = 0, or the other side of a hybrid
+        drafting, queue more)."""
+        self._unfed = [pre + new[skip:] for pre, new, skip in zip(self._unfed, pending, self._skip)]
+        self._skip = [0] * len(pending)
+        self._fed_drafts = 0
+        return "default"
+
+    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+        batch = len(self._unfed)
+        if k == 0:  # no drafts this step (adaptive k turned speculation off): run nothing
+            return no_drafts(batch)
+        feed, self._unfed = self._unfed, [[] for _ in range(batch)]
         counts = torch.tensor([len(f) for f in feed])
         # More than the usual 1-2 new tokens: this step also caught up on skipped ones, so its
         # time says little about the cost of a draft token (see AdaptiveK.observe).
@@ -68,7 +67,7 @@ class DraftModelProposer(SingleSource):
         logits = self._feed(feed, counts)  # [B, V] (or [B, N] over vocab_ids)
         tokens, probs = [], []
         for i in range(k):
-            token, q = draft_token(logits, self.params, self.generator, self.vocab_ids, self.vocab_size, "draft model")
+            token, q = draft_token(logits, sampling, self.vocab_ids, self.vocab_size, "draft model")
             tokens.append(token)  # [B, 1]
             if q is not None:
                 probs.append(q)  # [B, V]
@@ -87,8 +86,7 @@ class DraftModelProposer(SingleSource):
 
     def retain(self, rows: list[int]) -> None:
         self.cache.retain(rows)
-        self.params = [self.params[i] for i in rows]
-        self._pending_prefix = [self._pending_prefix[i] for i in rows]
+        self._unfed = [self._unfed[i] for i in rows]
         self._skip = [self._skip[i] for i in rows]
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource, TreeMode, draft_token
+from specdec.proposers.base import Proposal, SingleSource, TreeMode, draft_token, no_drafts
 from specdec.runtime.head import DraftHead
 from specdec.runtime.kv_cache import KVCache
-from specdec.sampling import SamplingParams, probs_per_row
+from specdec.sampling import SamplingMetadata, probs_per_row
 
 
 class HeadProposer(SingleSource):
@@ -42,19 +42,16 @@ class HeadProposer(SingleSource):
         self.head, self.capacity, self.min_score = head, capacity, min_score
         self.feature_layers = head.cfg.feature_layers  # the target features it reads (engine contract)
         self.cache: KVCache | None = None
-        self.params: list[SamplingParams] = []
         self._committed = torch.zeros(0, dtype=torch.long)
         self._feats: list[torch.Tensor] = []
         self._tokens: list[list[int]] = []
 
-    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-            target_hidden: torch.Tensor | None = None) -> None:
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
         """New rows, with ``target_hidden`` ``[N, L, E]`` the target's features of their prompts
         (from prefill). The pairs (feature t, token t+1) of each prompt are fed now, in one head
         call over just those rows; the last feature waits for the first generated token."""
         if target_hidden is None:
             raise ValueError("the draft head needs the target's prefill features (target_hidden)")
-        self.params, self.generator = self.params + list(params), generator
         if self.cache is None:
             self.cache = self.head.new_cache(0, self.capacity)
         start = self.cache.batch
@@ -72,11 +69,15 @@ class HeadProposer(SingleSource):
         self._feats += [target_hidden[b, len(p) - 1 : len(p)] for b, p in enumerate(prompts)]
         self._tokens += [[] for _ in prompts]
 
-    def propose(self, pending: list[list[int]], k: int, tree: bool = False) -> Proposal:
-        batch = len(pending)
+    def feed(self, pending: list[list[int]]) -> str:
+        """Queue the committed ids; each pairs with a queued target feature at the next head call."""
         self._tokens = [t + p for t, p in zip(self._tokens, pending)]
+        return "default"
+
+    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+        batch = len(self._tokens)
         if k == 0:
-            return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
+            return no_drafts(batch)
         caught_up = self._catching_up()
         logits, guess = self._catch_up()
         drafts, probs = [], []
@@ -88,8 +89,8 @@ class HeadProposer(SingleSource):
                 if float(score.max()) < self.min_score:
                     declined = True  # no row's chain is likely enough to reach this position
                     break
-            token, q = draft_token(logits[:, -1], self.params, self.generator, self.head.vocab_ids,
-                                   self.head.cfg.target_vocab_size, "draft head")
+            token, q = draft_token(logits[:, -1], sampling, self.head.vocab_ids, self.head.cfg.target_vocab_size,
+                                   "draft head")
             drafts.append(token)  # [B, 1]
             if q is not None:
                 probs.append(q)  # [B, V]
@@ -107,14 +108,13 @@ class HeadProposer(SingleSource):
         :func:`~specdec.proposers.base.draft_token` refuses non-finite logits of sampled rows."""
         return torch.softmax(subset_logits.float(), -1).amax(-1)
 
-    def _rank_probs(self, subset_logits: torch.Tensor) -> torch.Tensor:
+    def _rank_probs(self, subset_logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
         """``[B, ..., N]`` subset logits -> the head's probabilities as each row's sampling
         parameters process them (the raw distribution for greedy rows, whose processed one is
         one-hot): what tree candidates are ranked by."""
         if not torch.isfinite(subset_logits).all():
             raise ValueError("the draft head produced non-finite logits")
-        ranked = [p if p.temperature > 0 else SamplingParams(temperature=1.0) for p in self.params]
-        return probs_per_row(subset_logits, ranked)
+        return probs_per_row(subset_logits, sampling.ranking())
 
     def _catching_up(self) -> bool:
         """Whether the next head call feeds more than the usual 1-2 pairs a row (tokens skipped
@@ -152,7 +152,6 @@ class HeadProposer(SingleSource):
 
     def retain(self, rows: list[int]) -> None:
         self.cache.retain(rows)
-        self.params = [self.params[i] for i in rows]
         self._feats = [self._feats[i] for i in rows]
         self._tokens = [self._tokens[i] for i in rows]
         self._committed = self._committed[rows]
@@ -188,18 +187,16 @@ class HeadTreeProposer(HeadProposer):
         self.width, self.depth, self.tree_min_score = width, depth, min_score
         self.tree_mode = tree_mode
 
-    def propose(self, pending: list[list[int]], k: int, tree: bool = False) -> Proposal:
+    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         if not tree:
-            return super().propose(pending, k)
-        batch = len(pending)
-        self._tokens = [t + p for t, p in zip(self._tokens, pending)]
+            return super().propose(k, tree, sampling)
+        batch = len(self._tokens)
         if k == 0:
-            empty = torch.zeros(batch, 0, dtype=torch.long)
-            return Proposal(empty, None, parents=empty.clone(), scores=torch.zeros(batch, 0))
+            return no_drafts(batch, tree=True)
         caught_up = self._catching_up()
         logits, guess = self._catch_up()  # [B, 1, N], [B, 1, E]
         width = min(self.width, k)
-        probs, ids = self._rank_probs(logits).topk(width, dim=-1)  # [B, 1, W]
+        probs, ids = self._rank_probs(logits, sampling).topk(width, dim=-1)  # [B, 1, W]
         tokens, scores = self.head.vocab_ids[ids[:, 0]], probs[:, 0]  # [B, M] nodes so far (M = W)
         parents = torch.full((batch, width), -1, dtype=torch.long)
         base = self.cache.lengths.clone()  # the committed pairs; the expanded nodes go after them
@@ -221,7 +218,7 @@ class HeadTreeProposer(HeadProposer):
                                     positions=(base + level - 1).unsqueeze(1).expand(-1, width), tree_base=base)
             fed.append(frontier)
             guesses = torch.cat([guesses, out], 1)
-            probs, ids = self._rank_probs(logits).topk(width, dim=-1)  # [B, W, W]
+            probs, ids = self._rank_probs(logits, sampling).topk(width, dim=-1)  # [B, W, W]
             level_start = tokens.shape[1]
             tokens = torch.cat([tokens, self.head.vocab_ids[ids].flatten(1)], 1)
             parents = torch.cat([parents, frontier.repeat_interleave(width, dim=1)], 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from specdec.proposers.base import Proposal, SingleSource
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingMetadata
 
 
 class NgramIndex:
@@ -59,21 +59,20 @@ class NgramProposer(SingleSource):
         self.n_min, self.n_max = n_min, n_max
         self.rows: list[NgramIndex] = []
 
-    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-            target_hidden: torch.Tensor | None = None) -> None:
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
         for prompt in prompts:
             index = NgramIndex(self.n_min, self.n_max)
             index.extend(prompt)
             self.rows.append(index)
 
-    def feed(self, pending: list[list[int]]) -> None:
+    def feed(self, pending: list[list[int]]) -> str:
         """Add newly committed tokens to each row's history."""
         for index, ids in zip(self.rows, pending):
             index.extend(ids)
+        return "default"
 
-    def propose(self, pending: list[list[int]], k: int, tree: bool = False) -> Proposal:
-        self.feed(pending)
-        return self.lookup(k)
+    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+        return self.lookup(k)  # (deterministic drafts: the rows' sampling does not matter)
 
     def lookup(self, k: int, tree: bool = False) -> Proposal:
         """The proposal from the current histories (``feed`` first)."""
@@ -88,7 +87,7 @@ class NgramProposer(SingleSource):
         return [bool(index.lookup(k)) for index in self.rows]
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
-        pass  # the committed tokens arrive as the next call's ``pending``
+        pass  # the committed tokens arrive with the next ``feed``
 
     def retain(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]

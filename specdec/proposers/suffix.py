@@ -26,7 +26,7 @@ import torch
 
 from specdec.proposers.base import Proposal, SingleSource, TreeMode
 from specdec.proposers.ngram import NgramIndex
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingMetadata
 
 SEPARATOR = -1  # between documents of a shared index: no n-gram across it can match a context
 SCAN = 4  # occurrences looked at per continuation wanted (SuffixIndex.continuations)
@@ -319,17 +319,16 @@ class SuffixProposer(SingleSource):
         self.history = SuffixHistory(max_match) if history is None else history
         self.tree_mode = tree_mode
         self.rows: list[CopyRow] = []
-        self.params: list[SamplingParams] = []
 
-    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-            target_hidden: torch.Tensor | None = None) -> None:
-        self.params = self.params + list(params)
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
         self.rows += [CopyRow(prompt, self.max_match) for prompt in prompts]
 
-    def feed(self, pending: list[list[int]]) -> None:
+    def feed(self, pending: list[list[int]]) -> str:
+        """Index the committed ids of each row."""
         for row, ids in zip(self.rows, pending):
             if ids:
                 row.feed(ids)
+        return "default"
 
     def _lookup(self, row: CopyRow, depth: int) -> tuple[list[list[int]], list[float], list[list]]:
         """The longest suffix of the context (``min_match``..``max_match`` tokens) that occurred
@@ -417,9 +416,8 @@ class SuffixProposer(SingleSource):
             scores[b, : len(score)] = torch.tensor(score)
         return Proposal(tokens, None, parents=parents, scores=scores)
 
-    def propose(self, pending: list[list[int]], k: int, tree: bool = True) -> Proposal:
-        self.feed(pending)
-        return self.lookup(k, tree)
+    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+        return self.lookup(k, tree)  # (deterministic candidates: the rows' sampling does not matter)
 
     def has_match(self, k: int = 1) -> list[bool]:
         """Whether each row has a copy or a lookup match now (re-entry guesses alone do not
@@ -427,7 +425,7 @@ class SuffixProposer(SingleSource):
         return [bool(self._row_tree(row, 1, resync=False)[0]) for row in self.rows]
 
     def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
-        pass  # the committed tokens arrive as the next call's ``pending``
+        pass  # the committed tokens arrive with the next ``feed``
 
     def retain(self, rows: list[int]) -> None:
         kept = set(rows)
@@ -435,4 +433,3 @@ class SuffixProposer(SingleSource):
             if i not in kept:  # a finished row: its output joins the shared history
                 self.history.add(row.index.tokens[row.prompt_len:])
         self.rows = [self.rows[i] for i in rows]
-        self.params = [self.params[i] for i in rows]

@@ -21,10 +21,10 @@ from collections import OrderedDict
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource
+from specdec.proposers.base import Proposal, SingleSource, no_drafts
 from specdec.runtime import elementwise
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingMetadata
 
 TAIL = 8  # committed target tokens re-encoded with the drafted text (the boundary must reproduce them)
 EXTRA = 2  # draft tokens beyond k: tokenizations differ, and the last target token is dropped
@@ -47,8 +47,7 @@ class TextDraftProposer(SingleSource):
         self.draft_ids: list[list[int]] = []  # per row: the draft tokens its cache holds
         self._memo: OrderedDict = OrderedDict()
 
-    def add(self, prompts: list[list[int]], params: list[SamplingParams], generator: torch.Generator,
-            target_hidden: torch.Tensor | None = None) -> None:
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
         """New rows: nothing is run now; the first proposal feeds their text."""
         if self.cache is None:
             self.cache = self.model.new_cache(0, self.capacity)
@@ -56,12 +55,16 @@ class TextDraftProposer(SingleSource):
         self.target_ids += [list(p) for p in prompts]
         self.draft_ids += [[] for _ in prompts]
 
-    def propose(self, pending: list[list[int]], k: int, tree: bool = False) -> Proposal:
+    def feed(self, pending: list[list[int]]) -> str:
         for ids, new in zip(self.target_ids, pending):
             ids.extend(new)
-        batch = len(pending)
+        return "default"
+
+    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+        """(Deterministic drafts: the rows' sampling does not matter.)"""
+        batch = len(self.target_ids)
         if k == 0:
-            return Proposal(torch.zeros(batch, 0, dtype=torch.long), None)
+            return no_drafts(batch)
         wanted = [self._convert("draft", tuple(ids)) for ids in self.target_ids]  # [B] draft tokens of the text
         logits = self._sync(wanted)  # [B, V_draft]: after each row's last draft token
         drafted = self._draft(logits, k + EXTRA)  # [B] lists of draft tokens

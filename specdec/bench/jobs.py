@@ -23,6 +23,8 @@ Methods (``--methods``, comma-separated):
   GGUF of ``--draft``; built by ``make llama-server``, see :mod:`specdec.bench.llama_server`).
 * ``openvino_plain``, ``openvino_spec``, ``openvino_lookup`` — OpenVINO GenAI on the same GGUF
   files and threads (optional extra; see :mod:`specdec.bench.openvino`).
+* ``vllm_plain``, ``vllm_ngram`` — vLLM's CPU backend from a venv of its own, plain and with its
+  n-gram speculation (see :mod:`specdec.bench.vllm_server`).
 
 A peer that is not installed is skipped, and one that fails on this machine or these files is
 dropped after its first error; the report says which, in one line each. Neither fails the bench.
@@ -47,7 +49,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec.bench import llama_server, llamacpp, openvino
+from specdec.bench import llama_server, llamacpp, openvino, vllm_server
 from specdec.bench.plots import write_plots
 from specdec.bench.report import write_report
 from specdec.proposers.suffix import SuffixHistory
@@ -58,8 +60,8 @@ ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", 
                "early_exit", "hybrid", "ngram_k1", "ngram_k2", "ngram_k4", "ngram_k8",
                "draft_k1", "draft_k2", "draft_k4", "draft_k8", "head", "head_auto", "hybrid_head",
                "suffix", "head_tree", "hybrid_tree", "llamacpp_plain", "llamacpp_spec", *llama_server.METHODS,
-               *openvino.METHODS]
-PEERS = (llamacpp, llama_server, openvino)  # optional runtimes: METHODS, available(), INSTALL_HINT
+               *openvino.METHODS, *vllm_server.METHODS]
+PEERS = (llamacpp, llama_server, openvino, vllm_server)  # optional runtimes: METHODS, available(), INSTALL_HINT
 QUICK_METHODS = ["hf_plain", "hf_assisted", "plain", "draft_auto", "ngram", "hybrid", "ngram_k2", "ngram_k8"]
 
 
@@ -111,6 +113,7 @@ class Bench:
         self._llamacpp = None
         self._llama_server = None
         self._openvino = None
+        self._vllm = None
         self.target_name, self.draft_name = target, draft
 
     def llamacpp(self):
@@ -128,10 +131,16 @@ class Bench:
             self._llama_server = llama_server.LlamaServer(gguf_file(self.target_name), draft, torch.get_num_threads())
         return self._llama_server
 
+    def vllm(self):
+        if self._vllm is None:
+            self._vllm = vllm_server.VllmServer(self.gen.target.source_dir)
+        return self._vllm
+
     def close(self) -> None:
-        """Stop the peer processes this bench started (llama-server)."""
-        if self._llama_server is not None:
-            self._llama_server.close()
+        """Stop the peer processes this bench started (llama-server, vLLM)."""
+        for server in (self._llama_server, self._vllm):
+            if server is not None:
+                server.close()
 
     def openvino(self):
         if self._openvino is None:
@@ -157,10 +166,12 @@ class Bench:
         our methods stop where the answer ends, as a user's request does, instead of generating
         past the end-of-turn token (text no longer grounded in the input) up to ``max_new_tokens``."""
         eos = frozenset(self.gen.eos_token_ids) if stop_at_eos else frozenset()
-        if method == "llamacpp_draft" or method.startswith("openvino_"):  # peers that can fail on this machine
+        if method == "llamacpp_draft" or method.startswith(("openvino_", "vllm_")):  # peers that can fail here
             try:
                 if method == "llamacpp_draft":
                     return self.llama_server().run(prompt_ids, self.max_new_tokens, temperature, seed, eos)
+                if method.startswith("vllm_"):
+                    return self.vllm().run(method, prompt_ids, self.max_new_tokens, temperature, seed, eos)
                 return self.openvino().run(method, prompt_ids, self.max_new_tokens, temperature, seed, stop_at_eos)
             except Exception as exc:  # its start, its file reader, its device plugin, its HTTP
                 raise PeerFailed(f"{method} failed: {type(exc).__name__}: {_last_line(exc)}") from exc

@@ -130,11 +130,18 @@ class LlamaServer:
                 timings = chunk.get("timings", timings)
                 if chunk.get("stop") or ids and ids[-1] in eos:  # (n_predict ends it at max_new_tokens)
                     break
-        seconds = time.perf_counter() - start_time
-        ids = ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), max_new_tokens)]
-        ttft = (first or time.perf_counter()) - start_time
-        return {"token_ids": ids, "metrics": {"generated_tokens": len(ids), "total_s": seconds,
-                                              "throughput_tok_s": len(ids) / seconds, "ttft_s": ttft,
-                                              "tpot_s": (seconds - ttft) / max(len(ids) - 1, 1),
-                                              "draft_tokens": timings.get("draft_n"),
-                                              "accepted_draft_tokens": timings.get("draft_n_accepted")}}
+        return stream_run(ids, start_time, first, eos, max_new_tokens, draft_tokens=timings.get("draft_n"),
+                          accepted_draft_tokens=timings.get("draft_n_accepted"))
+
+
+def stream_run(ids: list[int], start_time: float, first: float | None, eos: frozenset[int], max_new_tokens: int,
+               **metrics) -> dict:
+    """A peer's streamed answer as a bench run: ``ids`` cut after the first token of ``eos`` (or
+    at ``max_new_tokens``), timed from ``start_time`` (``first``: when the first token arrived;
+    now if none did); ``metrics``: the peer's own counters to add."""
+    seconds = time.perf_counter() - start_time
+    ids = ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), max_new_tokens)]
+    ttft = (first or time.perf_counter()) - start_time
+    return {"token_ids": ids, "metrics": {"generated_tokens": len(ids), "total_s": seconds,
+                                          "throughput_tok_s": len(ids) / seconds, "ttft_s": ttft,
+                                          "tpot_s": (seconds - ttft) / max(len(ids) - 1, 1), **metrics}}

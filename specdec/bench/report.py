@@ -23,7 +23,8 @@ def speedups(runs: list[dict], baseline: str) -> dict[tuple[str, str, float], fl
 # (label, method prefix, plain-decoding reference) of each runtime in the bench
 RUNTIMES = (("specdec speculative", "", "plain"), ("transformers assisted / prompt-lookup", "hf_", "hf_plain"),
             ("llama.cpp speculation (prompt lookup, draft model)", "llamacpp_", "llamacpp_plain"),
-            ("OpenVINO GenAI speculative / prompt lookup", "openvino_", "openvino_plain"))
+            ("OpenVINO GenAI speculative / prompt lookup", "openvino_", "openvino_plain"),
+            ("vLLM n-gram speculation", "vllm_", "vllm_plain"))
 
 
 def _runtime(method: str) -> str:
@@ -146,18 +147,20 @@ def write_report(results: dict, plots: list[Path]) -> str:
 
 
 def _time_lines(runs: list[dict], methods: list[str], temps: list[float]) -> list[str]:
-    """The time table: our methods only (a peer's run has no draft share)."""
-    lines = ["", "## Time (our methods, medians over all prompts)", "",
+    """The time table: every method that reports its TTFT (a peer's run has no draft share)."""
+    lines = ["", "## Time (medians over all prompts)", "",
              "TTFT includes the prefill and the first token; TPOT is the mean time per later token; "
-             "draft share is the proposer's part of the total time (the draft's cost).", "",
+             "draft share is the proposer's part of the total time (the draft's cost; ours only).", "",
              "| method | temperature | TTFT ms | TPOT ms | tok/s | draft share |", "|---|---|---|---|---|---|"]
     for m in methods:
         for temp in temps:
-            rs = [r for r in runs if r["method"] == m and r["temperature"] == temp and "time_breakdown_s" in r["metrics"]]
+            rs = [r for r in runs if r["method"] == m and r["temperature"] == temp and "ttft_s" in r["metrics"]]
             if not rs:
                 continue
             med = {key: statistics.median(r["metrics"][key] for r in rs) for key in ("ttft_s", "tpot_s", "throughput_tok_s")}
-            share = statistics.median(r["metrics"]["time_breakdown_s"]["draft"] / r["metrics"]["total_s"] for r in rs)
+            ours = all("time_breakdown_s" in r["metrics"] for r in rs)
+            share = statistics.median(r["metrics"]["time_breakdown_s"]["draft"] / r["metrics"]["total_s"]
+                                      for r in rs) if ours else None
             lines.append(f"| {m} | {temp} | {med['ttft_s'] * 1e3:.0f} | {med['tpot_s'] * 1e3:.1f} | "
-                         f"{med['throughput_tok_s']:.2f} | {share:.1%} |")
+                         f"{med['throughput_tok_s']:.2f} | {'–' if share is None else f'{share:.1%}'} |")
     return lines

@@ -53,8 +53,18 @@ def start(target: Path, draft: Path | None, threads: int, context: int = 4096, p
     cmd = [str(exe), "-m", str(target), *spec, "-t", str(threads),
            "-tb", str(threads), "-c", str(context * parallel), "--parallel", str(parallel), "--port", str(port),
            "--host", "127.0.0.1", "--no-webui", *extra]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    return wait_healthy(process, f"http://127.0.0.1:{port}", "llama-server", 300)
+    return launch(cmd, f"http://127.0.0.1:{port}", "llama-server", 300)
+
+
+def launch(cmd: list[str], url: str, name: str, seconds: float, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Start a peer server ``cmd`` in a process group of its own and wait until ``url`` answers
+    (:func:`wait_healthy`). Its output goes to a log file, never a pipe: a server that logs every
+    request would fill a pipe nobody reads within a few dozen requests and then block."""
+    import tempfile
+
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"{name.replace(' ', '-')}-", suffix=".log", delete=False)
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    return wait_healthy(process, url, name, seconds, Path(log.name))
 
 
 def free_port() -> int:
@@ -63,16 +73,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(process: subprocess.Popen, url: str, name: str, seconds: float) -> tuple[subprocess.Popen, str]:
+def wait_healthy(process: subprocess.Popen, url: str, name: str, seconds: float,
+                 log: Path | None = None) -> tuple[subprocess.Popen, str]:
     """Wait until the server ``process`` answers ``url``/health with 200; a server that exits is a
-    one-line error (with its last stderr line when that is piped), one that takes longer is killed."""
+    one-line error (with the last line of its ``log``, if it has one), one that takes longer is killed."""
     import httpx
 
     deadline = time.time() + seconds
     while time.time() < deadline:
         if process.poll() is not None:
-            tail = [line for line in process.stderr.read().splitlines() if line.strip()][-1:] if process.stderr else []
-            raise RuntimeError(f"{name} exited with status {process.returncode}: {' '.join(tail)}".rstrip(": "))
+            raise RuntimeError(f"{name} exited with status {process.returncode}: {_last_line(log)}".rstrip(": "))
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return process, url
@@ -81,6 +91,14 @@ def wait_healthy(process: subprocess.Popen, url: str, name: str, seconds: float)
         time.sleep(0.5)
     process.kill()
     raise TimeoutError(f"{name} did not start within {seconds:.0f} s")
+
+
+def _last_line(log: Path | None) -> str:
+    """The last non-empty line of a server's ``log`` (nothing without one)."""
+    if log is None:
+        return ""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
 
 
 def stop(process: subprocess.Popen) -> None:

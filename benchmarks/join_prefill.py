@@ -5,9 +5,11 @@ import json
 import time
 
 from specdec.api import TextGenerator
-from specdec.engine import Engine, Request, common_prefix, kv_capacity, steps
-from specdec.prefix_cache import PrefixCache
-from specdec.sampling import SamplingParams
+from specdec.core.engine import new_engine, steps
+from specdec.core.prefill import common_prefix
+from specdec.core.rows import Request
+from specdec.core.prefix_cache import PrefixCache
+from specdec.verify.sampling import SamplingParams
 from specdec.bench.jobs import load_workloads
 gen = TextGenerator.load("qwen2.5-coder-1.5b-instruct")
 system = ("You are a careful senior engineer. Answer precisely, show code when it helps, keep answers short, "
@@ -20,8 +22,8 @@ shared = min(common_prefix(prompts[0], p) for p in prompts[1:])
 print(json.dumps({"requests": len(prompts), "shared_prefix_tokens": shared, "prompt_tokens": sum(map(len, prompts))}))
 for rnd in range(2):
     for cache in ((True, False) if rnd == 0 else (False, True)):
-        engine = Engine(gen.target.model, None, capacity=kv_capacity(max(map(len, prompts)) + 64, 0, 0),
-                        prefix_cache=PrefixCache(2**30) if cache else None, max_batch=16)
+        engine = new_engine(gen.target.model, max(map(len, prompts)) + 64, k_max=0,
+                            prefix_cache=PrefixCache(2**30) if cache else None, max_batch=16)
         rows = [engine.add(Request(p, SamplingParams(temperature=0), 1)) for p in prompts]
         t = time.perf_counter()
         for _ in steps(engine, rows):

@@ -38,7 +38,7 @@ from serve_bench import engine_counters, finish, start_server, stop_servers  # n
 
 from specdec.bench.jobs import load_workloads  # noqa: E402
 from specdec.models import registry  # noqa: E402
-from specdec.prefix_cache import BLOCK  # noqa: E402
+from specdec.core.prefix_cache import BLOCK  # noqa: E402
 from specdec.runtime.linear import DEFAULT_DTYPE  # noqa: E402
 
 SYSTEM = (

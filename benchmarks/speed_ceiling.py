@@ -30,7 +30,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from specdec import adaptive
+from specdec.core import adaptive
 
 
 def parse_costs(text: str) -> dict[int, float]:
@@ -47,8 +47,8 @@ def parse_costs(text: str) -> dict[int, float]:
 
 def best_k(a: float, costs: dict[int, float], draft_cost: float, k_max: int) -> tuple[int, float]:
     """(k, steps of time per token) at acceptance ``a`` at every position: the choice of
-    ``--k auto``'s controller (:func:`specdec.adaptive.best_k`) given these costs, r(n)
-    interpolated as the controller does (:func:`specdec.adaptive.verify_costs`)."""
+    ``--k auto``'s controller (:func:`specdec.core.adaptive.best_k`) given these costs, r(n)
+    interpolated as the controller does (:func:`specdec.core.adaptive.verify_costs`)."""
     accept, verify = [a] * k_max, adaptive.verify_costs(costs, k_max + 1)  # verify[n - 1]: n positions
     k = adaptive.best_k(accept, draft_cost, verify, k_max)
     return k, (verify[k] + k * draft_cost) / adaptive.expected_tokens(accept, k)

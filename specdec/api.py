@@ -1,25 +1,25 @@
 """A loaded target (and draft, and head) with its tokenizer: what the CLI, the bench and the
 server call. Chat encoding, speculation configs and engines are made here, once; text, stop
-strings and streaming are the session's (:mod:`specdec.session`); the engine works on token ids.
+strings and streaming are the session's (:mod:`specdec.text.session`); the engine works on token ids.
 """
 
 from __future__ import annotations
-
-import re
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from specdec.cache import notice
-from specdec.prefix_cache import PrefixCache
-from specdec.engine import Engine, Request
+from specdec.core.prefix_cache import PrefixCache
+from specdec.core.engine import Engine, new_engine
+from specdec.core.rows import Request
 from specdec.runtime.head import DraftHead
 from specdec.proposers.suffix import SuffixHistory
 from specdec.models import heads, loading
 from specdec.runtime.linear import DEFAULT_DTYPE
-from specdec.sampling import SamplingParams
-from specdec.session import Session, TextResult
+from specdec.verify.sampling import SamplingParams
+from specdec.text.chat import encode_messages
+from specdec.text.session import Session, TextResult
 from specdec.speculation import AUTO, SpeculationConfig, auto_draft
 
 # A draft model computes logits only for this many frequent ids (FR-Spec; heads.frequent_ids):
@@ -107,7 +107,7 @@ class TextGenerator:
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation in the target's chat template, ready for the assistant's
         turn (the one place chat is encoded: CLI, API, server and head training); see
-        :func:`encode_messages`."""
+        :func:`specdec.text.chat.encode_messages`."""
         tok = self.target.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"{self.target.name} has no chat template (chat=False / --chat off / /v1/completions)")
@@ -143,41 +143,11 @@ class TextGenerator:
     def engine(self, spec: SpeculationConfig, tokens: int, *, seed: int = 0, max_batch: int | None = None,
                ignore_eos: bool = False, prefix_cache: PrefixCache | None = None) -> Engine:
         """An engine over the target with ``spec``'s proposer, each row holding up to ``tokens``
-        (prompt + max_new_tokens): the one place engines are made (API, bench, server).
-        ``prefix_cache``: KV of earlier prompts and answers to reuse (the target's own)."""
-        capacity = spec.capacity(tokens)
-        return Engine(self.target.model, spec.build(self, capacity), capacity=capacity, k=spec.k, k_max=spec.k_max,
-                      eos_token_ids=set() if ignore_eos else self.eos_token_ids, seed=seed, max_batch=max_batch,
-                      prefix_cache=prefix_cache)
-
-
-def encode_messages(tok, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """``messages`` through ``tok``'s chat template, tokenized. Control tokens come from the
-    template only: a message whose content spells one (a user writing ``<|im_end|>`` to open a
-    system turn of their own) has that content encoded as plain text, as vLLM's and llama.cpp's
-    servers do. Contents without such strings take the plain path (the whole rendered text
-    tokenized at once), so ordinary prompts tokenize exactly as the template intends."""
-    specials = _control_strings(tok)
-    if not any(s in (m.get("content") or "") for m in messages for s in specials):
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return tok(text, add_special_tokens=False)["input_ids"]
-    # Render with a sentinel in place of each content, then tokenize the template's pieces with
-    # control tokens parsed and the contents with every control string split into plain text.
-    marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
-    text = tok.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
-    ids: list[int] = []
-    for n, piece in enumerate(re.split("\ue000(\\d+)\ue001", text)):
-        if n % 2 == 0:
-            ids += tok(piece, add_special_tokens=False)["input_ids"] if piece else []
-        else:
-            content = messages[int(piece)].get("content") or ""
-            ids += tok(content, add_special_tokens=False, split_special_tokens=True)["input_ids"] if content else []
-    return ids
-
-
-def _control_strings(tok) -> list[str]:
-    """The tokenizer's special (control) token strings: never to be parsed from user content."""
-    return [t.content for t in tok.added_tokens_decoder.values() if t.special]
+        (prompt + max_new_tokens), made by :func:`~specdec.core.engine.new_engine` (for the API,
+        bench and server). ``prefix_cache``: KV of earlier prompts and answers to reuse (the target's own)."""
+        return new_engine(self.target.model, tokens, lambda capacity: spec.build(self, capacity), k=spec.k,
+                          k_max=spec.k_max, eos_token_ids=set() if ignore_eos else self.eos_token_ids, seed=seed,
+                          max_batch=max_batch, prefix_cache=prefix_cache)
 
 
 def same_tokenizer(target: loading.LoadedModel, draft: loading.LoadedModel) -> bool:

@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from specdec.adaptive import K_MAX
-from specdec.engine import generate, kv_capacity
-from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.stats import chi_square, merge_small_cells, power
-from specdec.verify import verify_chain
+from specdec.core.adaptive import K_MAX
+from specdec.core.engine import generate, kv_capacity
+from specdec.verify.sampling import SamplingParams, probs_from_logits
+from specdec.verify.stats import chi_square, merge_small_cells, power
+from specdec.verify.chain import verify_chain
 
 # The negative control: a verifier that ignores q after a rejection (residual := p).
 WRONG_VERIFIER = functools.partial(verify_chain, residual_tolerance=float("inf"))

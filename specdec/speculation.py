@@ -5,11 +5,9 @@ This module is the one place where these decisions are made (grep for them here)
 * the default method: :data:`DEFAULT_METHOD` when the target has a draft head or a draft model is
   loaded, else :data:`LOOKUP_ONLY` (:meth:`SpeculationConfig.resolve`);
 * what a hybrid's model side is (the draft model, else the head, else the early exit);
-* k's defaults (:data:`K_DEFAULT`, :data:`specdec.adaptive.K_MAX`), the lookup sizes
+* k's defaults (:data:`K_DEFAULT`, :data:`specdec.core.adaptive.K_MAX`), the lookup sizes
   (:data:`NGRAM`), the early exit's depth (:data:`EXIT_FRACTION` of the layers) and where a head
   chain stops (:data:`HEAD_MIN_SCORE`);
-* the KV capacity a request needs (:meth:`SpeculationConfig.capacity`, through
-  :func:`specdec.engine.kv_capacity`);
 * how each method's proposer is built (:data:`METHODS`);
 * which installed model drafts for a target under ``--draft auto`` (:func:`auto_draft`), and
   whether the default loads one (:func:`default_draft`).
@@ -28,8 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
-from specdec.adaptive import K_MAX, check_k
-from specdec.engine import kv_capacity
+from specdec.core.adaptive import K_MAX, check_k
 from specdec.proposers import (DraftModelProposer, HeadProposer, HeadTreeProposer, HybridProposer, NgramProposer,
                                SuffixProposer)
 from specdec.proposers.suffix import SuffixHistory
@@ -57,7 +54,7 @@ DEFAULT_METHOD = "hybrid"
 # proposer: copies of the prompt and of earlier outputs), which costs next to nothing when it finds
 # no match, so it never makes decoding much slower than plain.
 LOOKUP_ONLY = "suffix"
-K_DEFAULT = "auto"  # k chosen each step from measured costs and acceptance (specdec.adaptive)
+K_DEFAULT = "auto"  # k chosen each step from measured costs and acceptance (specdec.core.adaptive)
 NGRAM = (2, 4)  # shortest and longest context suffix a lookup matches
 EXIT_FRACTION = 4  # the early exit drafts with the first 1/EXIT_FRACTION of the target's layers
 # Under adaptive k, a head chain stops where the product of the top probabilities of the head's
@@ -258,10 +255,6 @@ class SpeculationConfig:
     @property
     def trees(self) -> bool:
         return METHODS[self.method].trees
-
-    def capacity(self, tokens: int) -> int:
-        """KV slots per row for ``tokens`` (the longest prompt + max_new_tokens): the one formula."""
-        return kv_capacity(tokens, self.k, self.k_max)
 
     def build(self, gen: Sources, capacity: int):
         """A fresh proposer for an engine of ``capacity`` slots per row (None: plain decoding)."""

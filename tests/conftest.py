@@ -36,6 +36,16 @@ def home(tmp_path, monkeypatch):
     return fresh_home(tmp_path, monkeypatch)
 
 
+@pytest.fixture
+def always_trees(monkeypatch):
+    """Trees whatever the rows sample: the engine's shape choice patched so that a tree proposer
+    drafts trees under sampling too, for the tests of the tree path's exactness at T > 0 (by
+    default tree proposers draft chains while every row samples: ``tree_shape``)."""
+    from specdec.core import engine
+
+    monkeypatch.setattr(engine, "tree_shape", lambda mode, wanted, sampling: mode != "chains")
+
+
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory):
     """A tiny chat model (llama, random weights, a chat template) loaded at int8: the servers'."""

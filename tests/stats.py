@@ -6,7 +6,7 @@ is small so that the many tests in the suite do not fail by chance, while the ne
 below it — that gap is each test's demonstrated power.
 """
 
-from specdec.stats import chi_square_pvalue
+from specdec.verify.stats import chi_square_pvalue
 
 ALPHA = 1e-6
 

@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from specdec.adaptive import AdaptiveK, CallCosts, ShapeRace, best_k, expected_tokens, moving_average
-from specdec.engine import Engine, Request
+from specdec.core.adaptive import AdaptiveK, CallCosts, ShapeRace, best_k, expected_tokens, moving_average
+from specdec.core.engine import Engine
+from specdec.core.rows import Request
 from specdec.proposers import DraftModelProposer
-from specdec.sampling import SamplingParams
+from specdec.verify.sampling import SamplingParams
 from tiny_models import hf_tiny, ours
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from specdec.bench import jobs, plots, report
 from specdec.bench.report import write_report
-from specdec.metrics import AcceptanceStats
+from specdec.core.metrics import AcceptanceStats
 
 
 def _run(method, category, prompt, temp, tps, tokens, acc=None):
@@ -290,17 +290,14 @@ def test_fit_gap_groups_name_slices_of_own_answers():
 
 
 
-STAND_IN_SERVER = '''#!{python}
-"""A stand-in for llama-server's command line and /completion stream (the client's test only)."""
+STAND_IN_BASE = '''#!{python}
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-port = int(sys.argv[sys.argv.index("--port") + 1])
-if "-md" not in sys.argv:
-    sys.exit("error: this stand-in needs -md")
 
+class Server(BaseHTTPRequestHandler):
+    """A peer's stand-in: healthy at once, quiet, streaming server-sent events."""
 
-class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
@@ -309,22 +306,33 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(b'{{"status": "ok"}}')
 
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        assert body["ignore_eos"] and not body["cache_prompt"] and body["top_k"] == 0
+    def events(self, chunks):
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.end_headers()
-        tokens = [body["prompt"][-1] + i for i in range(1, body["n_predict"] + 1)]
-        for i in range(0, len(tokens), 2):  # two tokens a chunk, as an accepted draft gives them
-            last = i + 2 >= len(tokens)
-            chunk = {{"tokens": tokens[i:i + 2], "stop": last, **({{"timings": {{"draft_n": 6, "draft_n_accepted": 4}}}} if last else {{}})}}
+        for chunk in chunks:
             self.wfile.write(f"data: {{json.dumps(chunk)}}\\n\\n".encode())
             self.wfile.flush()
-
-
+'''
+SERVE = '''
+port = int(sys.argv[sys.argv.index("--port") + 1])
 ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 '''
+STAND_IN_SERVER = STAND_IN_BASE + '''
+# llama-server's command line and /completion stream (the client's test only)
+if "-md" not in sys.argv:
+    sys.exit("error: this stand-in needs -md")
+
+
+class Handler(Server):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        assert body["ignore_eos"] and not body["cache_prompt"] and body["top_k"] == 0
+        tokens = [body["prompt"][-1] + i for i in range(1, body["n_predict"] + 1)]
+        last = {{"timings": {{"draft_n": 6, "draft_n_accepted": 4}}}}
+        self.events([{{"tokens": tokens[i:i + 2], "stop": i + 2 >= len(tokens), **(last if i + 2 >= len(tokens) else {{}})}}
+                     for i in range(0, len(tokens), 2)])  # two tokens a chunk, as an accepted draft gives them
+''' + SERVE
 
 
 def test_llama_server_client_cuts_at_eos_and_reports_a_failed_start_in_one_line(tmp_path, monkeypatch):
@@ -353,50 +361,44 @@ def test_llama_server_client_cuts_at_eos_and_reports_a_failed_start_in_one_line(
         llama_server.start(tmp_path / "t.gguf", None, threads=1)
 
 
-STAND_IN_VLLM = '''#!{python}
-"""A stand-in for vLLM's OpenAI server's command line and /v1/completions stream (the client's test only)."""
-import json, sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
+STAND_IN_VLLM = STAND_IN_BASE + '''
+# vLLM's OpenAI server's command line and /v1/completions stream (the client's test only)
 assert sys.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-port = int(sys.argv[sys.argv.index("--port") + 1])
 
 
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-
+class Handler(Server):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         assert body["ignore_eos"] and body["return_token_ids"] and body["top_k"] == -1
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.end_headers()
-        ngram = "--speculative-config" in sys.argv
-        tokens = [body["prompt"][-1] + i + (100 if ngram else 0) for i in range(1, body["max_tokens"] + 1)]
-        for i in range(0, len(tokens), 2):
-            last = i + 2 >= len(tokens)
-            choice = {{"text": "", "token_ids": tokens[i:i + 2], "finish_reason": "length" if last else None}}
-            self.wfile.write(f"data: {{json.dumps({{'choices': [choice]}})}}\\n\\n".encode())
-            self.wfile.flush()
-        self.wfile.write(b"data: [DONE]\\n\\n")
+        shift = 100 if "--speculative-config" in sys.argv else 0
+        tokens = [body["prompt"][-1] + i + shift for i in range(1, body["max_tokens"] + 1)]
+        self.events([{{"choices": [{{"text": "", "token_ids": tokens[i:i + 2],
+                                     "finish_reason": "length" if i + 2 >= len(tokens) else None}}]}}
+                     for i in range(0, len(tokens), 2)])
+''' + SERVE
 
 
-ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-'''
+def _state_when_settled(pid: int, seconds: float = 5.0) -> str:
+    """A process's state letter once it is stopped (T), or as it is after ``seconds``: a signal
+    sent to a process running on another core lands a moment later."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + seconds
+    while True:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+        if state == "T" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
 
 
 def test_vllm_client_streams_token_ids_cuts_at_eos_and_pauses_its_server_between_runs(tmp_path, monkeypatch):
     """`vllm_plain` / `vllm_ngram`'s client over vLLM's protocol (a stand-in script here; the real
     server is measured by `specdec bench --methods vllm_plain,vllm_ngram`): one server per method,
     the stream's token ids, the cut after an end-of-turn token, and each server stopped (SIGSTOP,
-    state T) between its runs, so that its idle spinning does not slow the other methods."""
+    state T) between its runs, so that its idle spinning does not slow the other methods; where
+    memory has no room for two, the first ends before the second starts."""
     import sys
-    from pathlib import Path
 
     from specdec.bench import vllm_server
 
@@ -406,17 +408,23 @@ def test_vllm_client_streams_token_ids_cuts_at_eos_and_pauses_its_server_between
     exe.write_text(STAND_IN_VLLM.format(python=sys.executable))
     exe.chmod(0o755)
     monkeypatch.setenv("SPECDEC_VLLM_PYTHON", str(exe))
+    monkeypatch.setattr(vllm_server, "available_gib", lambda: 64.0)  # room for both servers
     server = vllm_server.VllmServer(tmp_path)
     try:
         plain = server.run("vllm_plain", [5, 10], 6, 0.0, seed=0)
         cut = server.run("vllm_ngram", [5, 10], 6, 0.0, seed=0, eos=frozenset({113}))
-        states = {m: Path(f"/proc/{p.pid}/stat").read_text().split(") ")[1][0] for m, (p, _) in server.servers.items()}
+        states = {m: _state_when_settled(p.pid) for m, (p, _) in server.servers.items()}
+        monkeypatch.setattr(vllm_server, "available_gib", lambda: 4.0)  # no room: one server at a time
+        server.close()
+        server.run("vllm_plain", [5], 2, 0.0, seed=0)
+        server.run("vllm_ngram", [5], 2, 0.0, seed=0)
+        alone = list(server.servers)
     finally:
         server.close()
     assert plain["token_ids"] == [11, 12, 13, 14, 15, 16] and plain["metrics"]["generated_tokens"] == 6
     assert cut["token_ids"] == [111, 112, 113]
     assert states == {"vllm_plain": "T", "vllm_ngram": "T"}
-    assert server.servers == {}
+    assert alone == ["vllm_ngram"] and server.servers == {}
 
 
 def test_serve_bench_report_has_tail_latencies_errors_and_answer_independence():

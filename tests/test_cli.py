@@ -279,6 +279,59 @@ def test_train_head_self_distills_on_sharegpt_user_turns(capsys, tmp_path, monke
         assert code == 2 and says in err, err
 
 
+def test_train_head_hours_runs_the_recipe_stage_after_stage_and_resumes(capsys, tmp_path, monkeypatch):
+    """`train-head --hours H`: stage 1 on text sized from the measured prefill rate, then rounds of
+    own answers (each replaying the earlier ones, from the previous head) while the next one's
+    estimate fits; one line per stage with its held-out acceptance; --out gets the last head and
+    its card; a rerun redoes nothing. (Here the estimate lets exactly one round fit.)"""
+    from specdec.training import plan, run as training_run
+
+    model = _tiny_chat_model(tmp_path, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                       "{% if add_generation_prompt %}assistant:{% endif %}")  # (answers only: a header)
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for i in range(40):
+        (sources / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(40)))
+    monkeypatch.setattr(training_run, "ANSWER_TOKENS", 6)
+    monkeypatch.setattr(plan, "ROUND", {"python-docs": (("python-docs", 1),)})
+    monkeypatch.setattr(plan, "prefill_rate", lambda model, seq_len: 1.0)  # the smallest stage 1: 16 windows
+    monkeypatch.setattr(plan, "_estimate", lambda stages, recipe: 0.0 if recipe.finetune_steps <= plan.STEPS_PER_BATCH
+                        else 1e9)
+    out = tmp_path / "head.safetensors"
+    args = ["train-head", "--target", str(model), "--dtype", "float32", "--out", str(out), "--hours", "1",
+            "--corpus-root", str(sources), "--workdir", str(tmp_path / "work"), "--batch", "4",
+            "--vocab-size", "64", "--intermediate-size", "64", "--passes", "2"]
+    code, stdout, err = _run(capsys, *args)
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("train-head: ")]
+    assert len(lines) == 2 and "stage 1 (text) -> plan-00" in lines[0] and "round 1 (own answers) -> plan-01" in lines[1]
+    assert all("held-out first-position acceptance 0." in line for line in lines)
+    log = json.loads((tmp_path / "work" / "plan" / "plan.json").read_text())
+    assert log["stage1"]["tokens"] == 16 * 512 and log["stage1"]["steps"] == 2 * 16 // 4
+    card = json.loads(out.with_suffix(".json").read_text())
+    assert card["finetune"]["answers"] == ["python-docs:0-1"] and card["init_head"]["file"] == "plan-00.safetensors"
+    assert "; then specdec train-head" in card["command"] and out.with_suffix(".md").exists()
+    code, _, err = _run(capsys, *args)  # rerun: both stages are done, nothing runs again
+    assert code == 0 and "train head" not in err and "extract features" not in err, err
+    assert json.loads((tmp_path / "work" / "plan" / "plan.json").read_text()) == log
+    code, _, err = _run(capsys, *args, "--answer-batches", "2", "--finetune-steps", "4")
+    assert code == 2 and "does not take --answers/--answer-batches, --finetune-steps" in err, err
+
+
+def test_the_plan_estimates_a_round_from_the_last_stage():
+    from specdec.training import plan
+    from specdec.training.recipe import HeadRecipe
+
+    base = HeadRecipe(source="python-docs")
+    first = {"head": "plan-00.safetensors", "seconds": 600.0, "steps": 100}
+    second = {"head": "plan-01.safetensors", "seconds": 900.0, "steps": plan.STEPS_PER_BATCH * 8}
+    round2 = plan._round(base, 2, None)
+    assert [str(a) for a in round2.answers] == ["python-docs:0-16"] and round2.finetune_steps == plan.STEPS_PER_BATCH * 16
+    assert round2.train.label_top_k == 32 and round2.train.chain_share == 0.25
+    assert plan._estimate([first], plan._round(base, 1, None)) == 600.0  # after stage 1: its time
+    assert plan._estimate([first, second], round2) == 1800.0  # twice the steps: twice the time
+
+
 def test_train_head_then_generate_with_it(capsys, tmp_path):
     """`specdec train-head` end to end on a tiny model and a tiny corpus (resumable stages), then
     `generate --head` with the result: the same tokens as plain decoding (greedy)."""
@@ -300,7 +353,7 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     assert " before, " in stdout and " after; " in stdout
     card = json.loads(out.with_suffix(".json").read_text())
     assert card["corpus"]["sequences"] >= 16 and len(card["held_out"]["greedy"]) == 2
-    assert card["finetune"]["own_answer_sequences"] >= 1 and "--answer-batches 1" in card["command"]
+    assert card["finetune"]["own_answer_sequences"] >= 1 and "--answers python-docs:0-1 --finetune-steps 2" in card["command"]
     assert out.with_suffix(".md").read_text().startswith("# Draft head")
     code, stdout, err = _run(capsys, *args)  # everything is there: nothing is redone
     assert code == 0 and "extract features" not in err
@@ -324,7 +377,7 @@ def test_train_head_then_generate_with_it(capsys, tmp_path):
     assert card2["init_head"]["target_dtype"] == "float32" and card2["target_dtype"] == "bfloat16"
     assert card2["command"].startswith(card["command"] + "; then specdec train-head")
     assert card2["finetune"]["own_answer_sequences"] >= 2 and card2["finetune"]["corpus_mixed_in"] == 0
-    assert card2["finetune"]["answers"] == ["python-docs:0-2"] and "--answer-batches 2" in card2["command"]
+    assert card2["finetune"]["answers"] == ["python-docs:0-2"] and "--answers python-docs:0-2" in card2["command"]
     from specdec.training.train import precision
 
     assert card2["finetune"]["precision"] == precision()  # the stage's own path, not only the first stage's
@@ -459,59 +512,3 @@ def test_request_metrics_carry_no_all_zero_time_breakdown(capsys, model_dir):
     result = json.loads(out)
     assert code == 0 and "time_breakdown_s" not in result["request_metrics"]
     assert any(v > 0 for v in result["metrics"]["time_breakdown_s"].values())
-
-
-def test_train_head_with_fused_features_then_generate_with_it(capsys, tmp_path):
-    """`train-head --fused-features` (EAGLE-3): features of a low, a middle and the last block,
-    stored apart from the last-only ones, a head that records which blocks it reads (and says so
-    on its card), stage 2 from it generating fused features too; `generate` with it asks the
-    target for those blocks and gives plain decoding's greedy tokens."""
-    from specdec.models.heads import read_head
-
-    model = _tiny_chat_model(tmp_path, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
-    sources = tmp_path / "src"
-    sources.mkdir()
-    for i in range(60):  # more than the corpus takes: stage 2's prompts come from unused files
-        (sources / f"m{i}.py").write_text("".join(f"def g{i}_{j}(y):\n    return y * {j}\n\n" for j in range(30)))
-    out, work = tmp_path / "fused.safetensors", tmp_path / "work"
-    args = ["train-head", "--target", str(model), "--dtype", "float32", "--out", str(out), "--tokens", "8000",
-            "--steps", "2", "--batch", "2", "--vocab-size", "64", "--intermediate-size", "64", "--passes", "2",
-            "--corpus-root", str(sources), "--workdir", str(work), "--fused-features"]
-    code, stdout, err = _run(capsys, *args)
-    assert code == 0, err
-    assert "held-out acceptance per draft position" in stdout and "trained" in stdout  # stage 1's summary line
-    cfg, state, _, card = read_head(out)
-    assert cfg.feature_layers == (0, 1) and state["fuse.weight"].shape == (64, 3 * 64)  # 3 blocks: 0, 1 and 2
-    assert "fused (EAGLE-3)" in card["features"] and "--fused-features" in card["command"]
-    assert "fused (EAGLE-3)" in out.with_suffix(".md").read_text()
-    assert list((work / "features-fused-0-1").glob("features-*.safetensors")) and not (work / "features").exists()
-    out2 = tmp_path / "fused2.safetensors"
-    code, _, err = _run(capsys, "train-head", "--target", str(model), "--dtype", "float32", "--out", str(out2),
-                        "--tokens", "8000", "--corpus-root", str(sources), "--workdir", str(work), "--init-head", str(out),
-                        "--answer-batches", "1", "--finetune-steps", "1")
-    assert code == 0, err
-    assert read_head(out2)[0].feature_layers == (0, 1) and (work / "own-answers-fused-0-1").is_dir()
-    # a last-block head made fused: it starts as the same function (fuse = [0 | 0 | I]) and trains on
-    out3, plain_head = tmp_path / "from-last.safetensors", tmp_path / "last.safetensors"
-    code, _, err = _run(capsys, *[a if a != str(out) else str(plain_head) for a in args if a != "--fused-features"])
-    assert code == 0, err
-    assert read_head(plain_head)[0].feature_layers == () and (work / "features").is_dir()
-    code, _, err = _run(capsys, "train-head", "--target", str(model), "--dtype", "float32", "--out", str(out3),
-                        "--tokens", "8000", "--corpus-root", str(sources), "--workdir", str(work),
-                        "--init-head", str(plain_head), "--fused-features", "--steps", "1", "--batch", "2",
-                        "--label-top-k", "8")
-    assert code == 0, err
-    cfg3, _, _, card3 = read_head(out3)
-    assert cfg3.feature_layers == (0, 1) and "fused" in card3["features"] and "--fused-features" in card3["command"]
-    # before training, on the same held-out windows: the last-block head's own scores (fp16 file rounding aside)
-    was, before = json.loads(plain_head.with_suffix(".json").read_text())["held_out"], card3["held_out_eval"]["before"]
-    for key in ("greedy", "alpha"):
-        assert all(abs(a - b) < 0.02 for a, b in zip(was[key], before[key][:2])), (was, before)
-    base = ["generate", "--target", str(model), "--dtype", "float32", "--prompt", "def g(y):", "--max-new-tokens", "10",
-            "--json"]
-    code, plain, err = _run(capsys, *base, "--proposer", "none")
-    assert code == 0, err
-    for proposer in ("head", "hybrid-tree"):
-        code, spec, err = _run(capsys, *base, "--proposer", proposer, "--head", str(out2), "--k", "3")
-        assert code == 0, err
-        assert json.loads(spec)["token_ids"] == json.loads(plain)["token_ids"]

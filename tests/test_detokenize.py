@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.detokenize import IncrementalDetokenizer, StopFinder
+from specdec.text.detokenize import IncrementalDetokenizer, StopFinder
 
 CORPUS = [
     "def rename(old_name, new_name):\n    return new_name  # keep the old one",

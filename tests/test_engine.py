@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specdec.verify as verify_module
-from specdec.adaptive import K_MAX
-from specdec.engine import Engine, Request, generate, kv_capacity
+import specdec.verify.chain as verify_module
+from specdec.core.adaptive import K_MAX
+from specdec.core.engine import Engine, generate, kv_capacity
+from specdec.core.rows import Request
 from specdec.proposers import DraftModelProposer
-from specdec.sampling import SamplingParams
-from specdec.session import Session
+from specdec.verify.sampling import SamplingParams
+from specdec.text.session import Session
 from stats import ALPHA, chi_square_pvalue
 from tiny_models import GREEDY, N_SAMPLES, PARAMS, PROMPT, PROMPTS, V_SMALL, hf_tiny, law_joint, ours, perturbed
 
@@ -212,7 +213,8 @@ def test_a_poisoned_row_fails_alone_and_the_others_match_their_solo_answers(pair
     has committed 3 tokens); it ends with finish_reason "error" and a message, and the 7 others
     (greedy and seeded sampling, with a draft model at k = 3) finish token-identical to their
     answers run alone. Before per-row failure the whole step raised and every row was lost."""
-    from specdec.engine import Engine, Request
+    from specdec.core.engine import Engine
+    from specdec.core.rows import Request
 
     target, draft = pair
     prompts = [[1 + i, 5, 9 + i, 2] for i in range(8)]

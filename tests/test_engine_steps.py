@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from specdec.blocks import ChainBlock
-from specdec.engine import RowResult, commit_tokens
+from specdec.core.blocks import ChainBlock
+from specdec.core.rows import RowResult, commit_tokens
 from specdec.proposers.base import Proposal
 from specdec.runtime.kv_cache import KVCache
-from specdec.verify import ChainVerification
+from specdec.verify.chain import ChainVerification
 
 
 def _row(ids=()):
@@ -56,8 +56,8 @@ def test_an_empty_tree_keeps_the_root_and_its_feature():
     """Adaptive k may prune a tree to no node (plain decoding for a step): the fed token's KV and
     feature are still kept. (The feature was lost once, shifting a head's features by one
     position for the rest of the row.)"""
-    from specdec.blocks import TreeBlock
-    from specdec.tree import TreeVerification
+    from specdec.core.blocks import TreeBlock
+    from specdec.verify.tree import TreeVerification
 
     cache = KVCache(1, 2, 1, 2, 32, torch.float32)
     before = torch.tensor([4, 6])
@@ -71,7 +71,7 @@ def test_an_empty_tree_keeps_the_root_and_its_feature():
 
 
 def test_prefill_groups_bound_the_padding():
-    from specdec.engine import PADDING_WASTE, prefill_groups
+    from specdec.core.prefill import PADDING_WASTE, prefill_groups
 
     assert prefill_groups([7, 7, 7, 7]) == [(0, 4)]
     assert prefill_groups([500] + [30] * 15) == [(0, 1), (1, 16)]

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-import specdec.verify as verify_module
+import specdec.verify.chain as verify_module
 from specdec.cli import main
 from specdec.exactness import exact_joint_law, verify_deployment
 from specdec.proposers import DraftModelProposer
-from specdec.sampling import SamplingParams
+from specdec.verify.sampling import SamplingParams
 from tiny_models import hf_tiny, ours, save_hf_dir
 from conftest import fresh_home
 
@@ -68,7 +68,7 @@ def test_cli_verify_json_and_exit_code(tmp_path, monkeypatch, capsys):
 
 
 def test_power_of_the_chi_square_test():
-    from specdec.stats import chi_square_critical, power
+    from specdec.verify.stats import chi_square_critical, power
 
     assert abs(chi_square_critical(1, 0.05) - 3.8415) < 1e-3  # the textbook value
     assert abs(power(10, 0.0, 0.01) - 0.01) < 0.002  # no effect: rejects at the level alpha

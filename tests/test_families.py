@@ -19,12 +19,12 @@ import pytest
 import torch
 import transformers
 
-from specdec.engine import generate
+from specdec.core.engine import generate
 from specdec.proposers import DraftModelProposer, HeadProposer, SuffixProposer
 from specdec.runtime.config import ModelConfig, Rope, UnsupportedModel
 from specdec.runtime.head import DraftHead, HeadConfig
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingParams
+from specdec.verify.sampling import SamplingParams
 from specdec.training.head_net import HeadNet
 from tiny_models import FAMILIES, ORIGINAL_CONTEXT, WINDOW, hf_tiny, ours, perturbed
 

@@ -177,7 +177,7 @@ def tiny_gguf(tmp_path, monkeypatch, request):
 def _weights(layer) -> torch.Tensor:
     """The fp32 weights a runtime layer multiplies."""
     from specdec.runtime.gguf_linear import ConcatLinear
-    from specdec.runtime.linear import FloatLinear
+    from specdec.runtime.dense import FloatLinear
 
     if isinstance(layer, ConcatLinear):
         return torch.cat([_weights(part) for part in layer.parts])

@@ -9,15 +9,15 @@ import dataclasses
 import pytest
 import torch
 
-import specdec.verify as verify_module
-from specdec.engine import Engine, generate
+import specdec.verify.chain as verify_module
+from specdec.core.engine import generate
 from specdec.proposers import HybridProposer, NgramProposer
 from specdec.models.heads import read_head, save_head
 from specdec.proposers.head import HeadProposer, HeadTreeProposer
 from specdec.proposers.suffix import SuffixProposer
 from specdec.runtime.head import LAYER, DraftHead, HeadConfig
 from specdec.training.head_net import HeadNet
-from specdec.sampling import SamplingParams, sample
+from specdec.verify.sampling import SamplingParams, sample
 from specdec.training import features
 from specdec.training.train import Dataset, TrainConfig, evaluate, train, vocab_subset
 from stats import ALPHA, chi_square_pvalue
@@ -28,8 +28,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3]]
 SUBSET = 64  # of the tiny vocabulary's 97 ids: some ids are never drafted
 
 
-def _net(target, seed=0, vocab=SUBSET, layers=()) -> HeadNet:
-    cfg = dataclasses.replace(HeadConfig.for_target(target.cfg, intermediate_size=96), feature_layers=layers)
+def _net(target, seed=0, vocab=SUBSET) -> HeadNet:
+    cfg = HeadConfig.for_target(target.cfg, intermediate_size=96)
     ids = torch.arange(vocab) * (target.vocab_size // vocab) if vocab < target.vocab_size else torch.arange(vocab)
     rows = target.lm_head.weight  # a float32 target's output layer
     return HeadNet(cfg, ids, target.embed, target.final_norm, rows[ids].clone(), seed)
@@ -98,18 +98,14 @@ def trained(tmp_path_factory):
     return fp32, int8, net, data, log
 
 
-@pytest.mark.parametrize("layers", [(), (0, 1)])
-def test_runtime_head_equals_training_module_for_every_draft_step(fp32_target, layers):
+def test_runtime_head_equals_training_module_for_every_draft_step(fp32_target):
     """Pass m of HeadNet at slot i == drafting with the runtime head: true pairs up to slot
-    i-m+1 fed in one block, then m-1 single steps on the head's own guesses (teacher tokens);
-    the last block's features, or EAGLE-3's fused ones (``layers``)."""
+    i-m+1 fed in one block, then m-1 single steps on the head's own guesses (teacher tokens)."""
     target = fp32_target
-    net = _net(target, seed=1, layers=layers)
-    if layers:  # a fusion that mixes every group (a fresh one's random init)
-        assert net.fuse.shape == (target.cfg.hidden_size, 3 * target.cfg.hidden_size)
+    net = _net(target, seed=1)
     head = _runtime(net, target, "float32")
     seq = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14]
-    hidden = features.prefill_features(target, seq, layers)  # [L, E] or [L, 3E]
+    hidden = features.prefill_features(target, seq)  # [L, E]
     tokens = torch.tensor([seq])
     with torch.no_grad():
         outs = net.passes(hidden.unsqueeze(0), tokens, 3)
@@ -120,7 +116,7 @@ def test_runtime_head_equals_training_module_for_every_draft_step(fp32_target, l
             _, guess = head(hidden[: first + 1].unsqueeze(0), tokens[:, 1 : first + 2], cache)
             guess = guess[:, -1:]
             for j in range(1, m):
-                _, guess = head(guess, tokens[:, first + 1 + j : first + 2 + j], cache, guessed=True)
+                _, guess = head(guess, tokens[:, first + 1 + j : first + 2 + j], cache)
             torch.testing.assert_close(guess[0, -1], outs[m - 1][0, i], atol=2e-5, rtol=1e-4)
     subset_logits = head(hidden[:4].unsqueeze(0), tokens[:, 1:5], head.new_cache(1, 8))[0]  # [1, 4, N]
     with torch.no_grad():
@@ -214,27 +210,24 @@ def test_trained_head_trees_are_accepted_and_token_identical(trained, kind):
             assert acc.scored > acc.drafted  # more nodes scored than depth positions
 
 
-@pytest.mark.parametrize("layers", [(), (0, 1)])
-def test_own_answers_features_equal_a_prefill_of_the_whole_answer(trained, layers):
+def test_own_answers_features_equal_a_prefill_of_the_whole_answer(trained):
     """generate_with_features (the engine recording features, no proposer): every position's feature
-    == one prefill over prompt + answer, and the answer is the target's own; the fused features
-    (``layers``) too."""
+    == one prefill over prompt + answer, and the answer is the target's own."""
     _, int8, _, _, _ = trained
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [9, 9, 9, 9], [4, 5, 6]]
     plain = generate(int8, prompts, GREEDY, 20)
-    rows = features.generate_with_features(int8, prompts, GREEDY, 20, eos_token_ids=frozenset(), layers=layers)
+    rows = features.generate_with_features(int8, prompts, GREEDY, 20, eos_token_ids=frozenset())
     for prompt, ref, (ids, hidden) in zip(prompts, plain, rows):
-        assert ids == (prompt + ref.token_ids)[:-1] and hidden.shape == (len(ids), (len(layers) + 1) * int8.cfg.hidden_size)
-        torch.testing.assert_close(hidden, features.prefill_features(int8, ids, layers), atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="feature_layers"):  # recorded features only
-        Engine(int8, capacity=32, feature_layers=(0,))
+        assert ids == (prompt + ref.token_ids)[:-1] and hidden.shape == (len(ids), int8.cfg.hidden_size)
+        torch.testing.assert_close(hidden, features.prefill_features(int8, ids), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_recorded_features_are_each_committed_position_once_while_speculating(trained, kind):
     """A speculating engine that records features keeps those of exactly the kept positions, in
     order (a chain's accepted prefix; a tree's root and accepted path), whatever was rejected."""
-    from specdec.engine import Engine, Request, kv_capacity, steps
+    from specdec.core.engine import Engine, kv_capacity, steps
+    from specdec.core.rows import Request
 
     _, int8, net, _, _ = trained
     head = _runtime(net, int8, "int8")
@@ -497,23 +490,22 @@ def _reference_top_k_losses(net, tokens, feats, lengths, passes, k):
     return losses
 
 
-@pytest.mark.parametrize("layers", [(), (0, 1)])
-def test_chains_are_the_passes_at_their_slots(fp32_target, layers):
+def test_chains_are_the_passes_at_their_slots(fp32_target):
     """Step m of the chain from anchor a, computed with a few chains (-1: none) == pass m at slot
     a+m-1, computed with the chain from every slot, in rows of unequal lengths (padding), with
-    grouped-query attention, for the last block's features and fused ones: a chain depends on
+    grouped-query attention: a chain depends on
     nothing but its own steps and the prefix. (That :meth:`HeadNet.passes` is what drafting
     computes is test_runtime_head_equals_training_module_for_every_draft_step's.)"""
     target = fp32_target
-    net = _net(target, seed=1, layers=layers)
+    net = _net(target, seed=1)
     assert net.cfg.num_heads > net.cfg.num_kv_heads
     seqs = [[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 6], [4, 5, 6, 7, 8, 9, 10], [1, 2, 3]]
     width = max(map(len, seqs))
     tokens = torch.full((3, width), -1)
-    hidden = torch.zeros(3, width, target.cfg.hidden_size * (len(layers) + 1))
+    hidden = torch.zeros(3, width, target.cfg.hidden_size)
     for b, seq in enumerate(seqs):
         tokens[b, : len(seq)] = torch.tensor(seq)
-        hidden[b, : len(seq)] = features.prefill_features(target, seq, layers)
+        hidden[b, : len(seq)] = features.prefill_features(target, seq)
     anchors = torch.tensor([[0, 3, 7, 9, 10], [1, 2, 4, -1, -1], [0, 1, -1, -1, -1]])
     with torch.no_grad():
         ref, outs = net.passes(hidden, tokens, 3), net.chains(hidden, tokens, anchors, 3)
@@ -616,82 +608,28 @@ def test_bf16_autocast_only_where_the_cpu_multiplies_bf16_natively():
     assert not native_bf16(avx2 + " avx512f avx512_vnni")  # VNNI alone: int8, not bf16
 
 
-@pytest.mark.parametrize("dtype", ["float32", "q4"])
-def test_hidden_layers_add_block_outputs_without_changing_a_bit(dtype):
-    """EAGLE-3's fused features (issue 29): ``hidden_layers`` returns the asked blocks' outputs
-    before the last block's, whose columns, the logits and the cache are the bits of a forward
-    without it (the per-layer loop against the q4 stack too); block i's output is what a model
-    truncated to i + 1 blocks returns as its hidden."""
-    from specdec.runtime import q4
+def test_a_head_file_that_reads_fused_features_is_refused(fp32_target, tmp_path):
+    """A head file of the removed EAGLE-3 fused features (its config names target blocks) is
+    refused, not run on the last block's features it was not trained for; one recording none
+    (every earlier last-block head) loads."""
+    import json
 
-    if dtype == "q4" and not q4.available():
-        pytest.skip("the 4-bit kernel needs an AVX2 CPU")
-    model = ours(hf_tiny("qwen2", layers=3, seed=2), dtype)
-    e, ids = model.cfg.hidden_size, torch.tensor([[3, 14, 15, 92, 65, 35, 89]])
-    runs = []
-    for layers in ((), (0, 1)):
-        cache = model.new_cache(1, 16)
-        logits, hidden = model(ids, cache, return_hidden=True, hidden_layers=layers)
-        runs.append((logits, hidden, cache.k.clone()))
-    (logits0, hidden0, k0), (logits1, hidden1, k1) = runs
-    assert hidden1.shape == (1, 7, 3 * e)
-    assert torch.equal(hidden1[..., 2 * e :], hidden0) and torch.equal(logits1, logits0) and torch.equal(k1, k0)
-    for i in (0, 1):
-        _, early = model.truncated(i + 1)(ids, model.truncated(i + 1).new_cache(1, 16), return_hidden=True)
-        assert torch.equal(hidden1[..., i * e : (i + 1) * e], early)
-    model.use_stack = False  # the per-layer loop cuts the layers by the same plan: the same bits
-    cache = model.new_cache(1, 16)
-    logits2, hidden2 = model(ids, cache, return_hidden=True, hidden_layers=(0, 1))
-    model.use_stack = True
-    assert torch.equal(hidden2, hidden1) and torch.equal(logits2, logits1) and torch.equal(cache.k, k1)
-    for bad in ((1, 0), (2,), (-1,)):  # not increasing, the last block itself, negative
-        with pytest.raises(ValueError, match="hidden_layers"):
-            model(ids, model.new_cache(1, 16), return_hidden=True, hidden_layers=bad)
-    with pytest.raises(ValueError, match="hidden_layers needs return_hidden"):
-        model(ids, model.new_cache(1, 16), hidden_layers=(0,))
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
-
-def test_fused_head_is_a_superset_of_the_last_layer_head(fp32_target, tmp_path):
-    """A head over fused features whose ``fuse`` picks the last block's group ([0 | I],
-    ``fuse_as_last_only``: how train-head turns a trained head into a fused one) computes
-    what the last-layer head with the same other weights does, at every draft step: the fusion
-    only adds inputs. Its weights round-trip through a head file."""
-    target = fp32_target
-    e = target.cfg.hidden_size
-    last = _net(target, seed=8)
-    fused = HeadNet(dataclasses.replace(last.cfg, feature_layers=(0,)), last.vocab_ids, target.embed,
-                    target.final_norm, last.lm_rows, seed=9)
-    fused.load_export(last.export() | fused.fuse_as_last_only())
-    assert torch.equal(fused.fuse, torch.cat([torch.zeros(e, e), torch.eye(e)], 1))
-    seq = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
-    both = features.prefill_features(target, seq, layers=(0,)).unsqueeze(0)  # [1, L, 2E]
-    with torch.no_grad():
-        got, want = fused.passes(both, torch.tensor([seq]), 3), last.passes(both[..., e:], torch.tensor([seq]), 3)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    path = tmp_path / "fused.safetensors"
-    save_head(path, fused.cfg, fused.export(), fused.vocab_ids, {})
-    cfg, saved, ids, _ = read_head(path)
-    assert cfg.feature_layers == (0,) and saved["fuse.weight"].shape == (e, 2 * e)
-
-
-@pytest.mark.parametrize("tree", [False, True])
-def test_a_fused_feature_head_drafts_through_the_engine_token_identically(fp32_target, tree):
-    """The engine asks the target for the blocks the head fuses (prefill and every verified
-    block, chains and trees, through a hybrid too) and greedy output stays plain decoding's."""
-    target = fp32_target
-    net = _net(target, seed=10, layers=(0, 1))
-    head = _runtime(net, target, "float32")
-    proposer = HeadTreeProposer(head, 96, width=2, depth=3, tree_mode="always") if tree else HeadProposer(head, 96)
-    assert proposer.feature_layers == (0, 1)
-    plain = generate(target, PROMPTS, GREEDY, 12, proposer=None)
-    spec = generate(target, PROMPTS, GREEDY, 12, proposer=proposer, k=3)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    if not tree:
-        hybrid = HybridProposer(NgramProposer(2, 3), HeadProposer(_runtime(net, target, "float32"), 96))
-        assert hybrid.feature_layers == (0, 1)
-        out = generate(target, PROMPTS, GREEDY, 12, proposer=hybrid, k=3)
-        assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    net = _net(fp32_target, seed=8)
+    path = tmp_path / "h.safetensors"
+    save_head(path, net.cfg, net.export(), net.vocab_ids, {})
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for layers, refused in (([], False), ([0, 1], True)):
+        config = json.loads(meta["config"]) | {"feature_layers": layers}
+        save_file(tensors, str(tmp_path / "old.safetensors"), metadata=meta | {"config": json.dumps(config)})
+        if refused:
+            with pytest.raises(ValueError, match="fused features"):
+                read_head(tmp_path / "old.safetensors")
+        else:
+            assert read_head(tmp_path / "old.safetensors")[0] == net.cfg
 
 
 def test_a_shipped_card_renders_its_evaluation(tmp_path):
@@ -823,12 +761,23 @@ def test_the_chain_cut_is_the_product_rule_read_before_each_draft(trained):
     assert sizes == {0, 1, 2, 3, 4}, sizes
 
 
-def test_train_run_refuses_to_widen_and_re_choose_the_ids_at_once(tmp_path):
-    """The library refuses what ``train-head`` refuses (``--widen-vocab`` with ``--new-vocab``),
-    before it touches the target or the disk."""
-    from specdec.training.run import run
-    from specdec.training.train import TrainConfig
+def test_the_recipe_refuses_to_widen_and_re_choose_the_ids_at_once(tmp_path):
+    """The recipe (what ``train-head`` runs) refuses ``--widen-vocab`` with ``--new-vocab`` and the
+    other combinations that cannot run, each in one line naming the options, before anything
+    touches the target or the disk; a valid one renders the command that reproduces it."""
+    from specdec.training.recipe import AnswerSlice, HeadRecipe
 
-    with pytest.raises(ValueError, match="widen_vocab and new_vocab exclude each other"):
-        run(None, tmp_path / "w", tmp_path / "h.safetensors", 1000, TrainConfig(), set(), new_vocab=True, widen_vocab=96)
-    assert not (tmp_path / "w").exists()
+    head = tmp_path / "h.safetensors"
+    head.write_bytes(b"")
+    stage2 = {"answers": (AnswerSlice("sharegpt", 0, 2),), "finetune_steps": 4, "init_head": head}
+    with pytest.raises(ValueError, match="not with --new-vocab"):
+        HeadRecipe(**stage2, new_vocab=True, widen_vocab=96)
+    for bad, message in (({"finetune_steps": 3}, "go together"), ({"new_vocab": True}, "--new-vocab applies to stage 2"),
+                         ({"corpus_root": tmp_path / "none"}, "is not a directory"), ({"source": "web"}, "--corpus")):
+        with pytest.raises(ValueError, match=message):
+            HeadRecipe(**bad)
+    recipe = HeadRecipe(**stage2, widen_vocab=96)
+    assert recipe.stage2 and recipe.seq_len == 1024
+    assert recipe.command("t", "q4k", "out.safetensors").endswith(
+        "--init-head h.safetensors --answers sharegpt:0-2 --finetune-steps 4 --widen-vocab 96 --out out.safetensors")
+    assert not list(tmp_path.glob("*.json"))

@@ -92,7 +92,7 @@ def test_text_generator_end_to_end_with_stop_string(hf_dir):
 
 
 def loading_params():
-    from specdec.sampling import SamplingParams
+    from specdec.verify.sampling import SamplingParams
 
     return SamplingParams(temperature=0.0)
 

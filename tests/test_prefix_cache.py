@@ -7,13 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine import Engine, Request, kv_capacity, steps
-from specdec.prefix_cache import PrefixCache
+from specdec.core.engine import Engine, kv_capacity, steps
+
+from specdec.core.rows import Request
+from specdec.core.prefix_cache import PrefixCache
 from specdec.proposers.head import HeadProposer, HeadTreeProposer
 from specdec.proposers.suffix import SuffixProposer
 from specdec.runtime import q4
 from specdec.runtime.head import DraftHead, HeadConfig
-from specdec.sampling import SamplingParams
+from specdec.verify.sampling import SamplingParams
 from specdec.training.head_net import HeadNet
 from tiny_models import hf_tiny, ours
 

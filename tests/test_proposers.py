@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specdec.verify as verify_module
-from specdec.engine import generate
+import specdec.verify.chain as verify_module
+from specdec.core.engine import generate
 from specdec.proposers import DraftModelProposer, HybridProposer, NgramProposer, SuffixProposer
 from specdec.proposers.ngram import NgramIndex
 from stats import ALPHA, chi_square_pvalue

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine import generate
+from specdec.core.engine import generate
 from specdec.proposers import DraftModelProposer
 from specdec.runtime import q4
-from specdec.sampling import SamplingParams
+from specdec.verify.sampling import SamplingParams
 from tiny_models import hf_tiny, ours
 
 pytestmark = pytest.mark.skipif(not q4.available(), reason="the 4-bit kernel needs an AVX2 CPU")

@@ -142,7 +142,7 @@ def test_prefix_routing_keeps_a_conversation_on_the_replica_that_holds_its_histo
     later turn served its whole earlier prompt from the prefix cache (up to the last partial
     block), the conversations spread over both replicas (all 8 on one: probability 2^-7), and a
     replay of every conversation answers the same."""
-    from specdec.prefix_cache import BLOCK
+    from specdec.core.prefix_cache import BLOCK
 
     url, _ = cluster
     firsts = [f"q{i}: {'why' * i}" for i in range(8)]

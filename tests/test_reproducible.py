@@ -14,11 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine import Engine, Request, generate
+from specdec.core.engine import Engine, generate
+
+from specdec.core.rows import Request
 from specdec.proposers import DraftModelProposer, NgramProposer, SuffixProposer
-from specdec.reproducible import PositionUniforms, verify_chain_at, verify_tree_at
-from specdec.sampling import SamplingParams, sample, sample_at
-from specdec.tree import depths
+from specdec.verify.reproducible import PositionUniforms, verify_chain_at, verify_tree_at
+from specdec.verify.sampling import SamplingParams, sample, sample_at
+from specdec.verify.tree import depths
 from stats import ALPHA, chi_square_pvalue
 from tiny_models import exact_joint, hf_tiny, ours
 
@@ -91,14 +93,16 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 5, 6, 7, 5], [9, 3, 1, 4, 1, 5, 9, 2, 6]]
 
 @pytest.mark.parametrize("kind, k", [("draft", 1), ("draft", 4), ("draft", "auto"), ("ngram", 3), ("suffix", 6), ("suffix", "auto"),
                                      ("suffix-tree", 6), ("suffix-tree", "auto")])
-def test_seeded_speculation_equals_seeded_plain_decoding(pair, kind, k):
+def test_seeded_speculation_equals_seeded_plain_decoding(pair, kind, k, request):
     target, draft = pair
+    if kind == "suffix-tree":
+        request.getfixturevalue("always_trees")  # trees although every row samples
     params = [SAMPLED, SamplingParams(0.7, top_k=10), SamplingParams(1.2, min_p=0.02)]
     seeds = [11, 12, 2**40]
     plain = [_seeded(target, [p], [params[i]], 30, [seeds[i]])[0] for i, p in enumerate(PROMPTS)]
     make = {"draft": lambda: DraftModelProposer(draft, 64), "ngram": lambda: NgramProposer(1, 3),
             "suffix": lambda: SuffixProposer(),  # chains: every row samples
-            "suffix-tree": lambda: SuffixProposer(tree_mode="always")}[kind]
+            "suffix-tree": lambda: SuffixProposer()}[kind]
     assert _seeded(target, PROMPTS, params, 30, seeds, make(), k) == plain
     # the same rows in a larger batch, next to rows without a seed and another seeded row
     mixed = _seeded(target, [PROMPTS[2], [4, 4], PROMPTS[0], PROMPTS[1], [8]], [params[2], SAMPLED, params[0], params[1], SAMPLED],

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specdec.sampling import MAX_TEMPERATURE, SamplingParams, greedy_one_hot, probs_from_logits, probs_per_row, sample
+from specdec.verify.sampling import MAX_TEMPERATURE, SamplingParams, greedy_one_hot, probs_from_logits, probs_per_row, sample
 
 
 def test_greedy_is_one_hot_with_ties_to_lowest_id():
@@ -211,7 +211,7 @@ def test_a_temperature_too_small_for_fp32_is_greedy(temperature):
     """Regression (server hardening, defect 1): a temperature that rounds to 0 in fp32 made the
     max logit 0 / 0 = NaN and sampling raised, killing the server. Below GREEDY_BELOW it is greedy
     (ties to the lowest id), and the row samples."""
-    from specdec.sampling import GREEDY_BELOW
+    from specdec.verify.sampling import GREEDY_BELOW
 
     params = SamplingParams(temperature=temperature)
     assert temperature < GREEDY_BELOW and params.greedy and params.temperature == 0.0

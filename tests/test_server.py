@@ -45,7 +45,7 @@ def test_models_health_and_metrics(server):
 
 
 def test_completion_matches_the_library(server, gen):
-    from specdec.sampling import SamplingParams
+    from specdec.verify.sampling import SamplingParams
 
     out = server.client.completions.create(model=MODEL, prompt="hello world", max_tokens=20, temperature=0)
     ids = gen.target.tokenizer("hello world")["input_ids"]
@@ -74,7 +74,7 @@ def test_multi_turn_chat_reuses_its_history_from_the_prefix_cache(server, gen):
     """Turn 2 of a conversation resends turn 1 and its answer: its KV comes from the prefix
     cache (usage.prompt_tokens_details.cached_tokens, the /metrics gauges), and the answer is
     the library's without any cache."""
-    from specdec.sampling import SamplingParams
+    from specdec.verify.sampling import SamplingParams
 
     messages = [{"role": "system", "content": "You answer in lowercase letters only, and briefly."},
                 {"role": "user", "content": "name three colors"}]

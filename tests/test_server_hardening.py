@@ -184,7 +184,7 @@ def chatml_tokenizer():
 
 
 def test_a_user_cannot_open_a_system_turn(chatml_tokenizer):
-    from specdec.api import encode_messages
+    from specdec.text.chat import encode_messages
 
     tok = chatml_tokenizer
     start = tok.convert_tokens_to_ids("<|im_start|>")
@@ -199,7 +199,7 @@ def test_a_user_cannot_open_a_system_turn(chatml_tokenizer):
 
 
 def test_contents_without_control_strings_tokenize_as_before(chatml_tokenizer):
-    from specdec.api import encode_messages
+    from specdec.text.chat import encode_messages
 
     tok = chatml_tokenizer
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a < b | c > d"}]

@@ -11,8 +11,8 @@ import torch
 
 from specdec.api import TextGenerator
 from specdec.bench.prompts import CODE_PROMPTS
-from specdec.engine import generate
-from specdec.sampling import SamplingParams
+from specdec.core.engine import generate
+from specdec.verify.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import specdec.speculation as speculation
-from specdec.adaptive import K_MAX
+from specdec.core.adaptive import K_MAX
 from specdec.api import TextGenerator
-from specdec.engine import kv_capacity
-from specdec.proposers.base import Proposal, SingleSource
-from specdec.sampling import SamplingParams
+from specdec.core.engine import kv_capacity
+from specdec.proposers.base import Proposal
+from specdec.verify.sampling import SamplingParams
 from specdec.speculation import METHODS, Method, SpeculationConfig
 from tiny_models import hf_tiny, save_hf_dir
 
@@ -30,10 +30,9 @@ def test_defaults_come_from_one_place():
     assert SpeculationConfig.plain() == SpeculationConfig(requested="none")
 
 
-def test_capacity_is_the_engines_formula():
-    assert resolve("ngram", draft=False, head=False, k=12).capacity(100) == kv_capacity(100, 12, K_MAX) == 114
-    assert resolve("ngram", draft=False, head=False).capacity(100) == 100 + K_MAX + 2
-    assert resolve("none", draft=False, head=False).capacity(100) == 100 + K_MAX + 2
+def test_capacity_is_one_formula_for_every_k():
+    assert kv_capacity(100, 12, K_MAX) == 114  # a fixed k beyond k_max: its own block and the bonus
+    assert kv_capacity(100, "auto", K_MAX) == kv_capacity(100, 0, K_MAX) == 100 + K_MAX + 2
 
 
 @pytest.mark.parametrize("method, kwargs, message", [
@@ -60,7 +59,7 @@ def test_what_each_config_uses():
     assert "train-head" in resolve(None, draft=False, head=False).describe()
 
 
-class RepeatProposer(SingleSource):
+class RepeatProposer:
     """CONTRIBUTING.md's worked example, verbatim: k copies of each row's last token."""
 
     tree_mode = "chains"

@@ -10,10 +10,10 @@ import json
 
 import torch
 
-from specdec.engine import generate
+from specdec.core.engine import generate
 from specdec.proposers.base import Proposal
 from specdec.proposers.text_draft import TextDraftProposer
-from specdec.sampling import SamplingParams
+from specdec.verify.sampling import SamplingParams
 from stats import ALPHA, chi_square_pvalue
 from tiny_models import N_SAMPLES, PARAMS, PROMPT, V_SMALL, char_tokenizer, hf_tiny, law_joint, ours, save_hf_dir
 

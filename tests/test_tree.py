@@ -1,4 +1,4 @@
-"""Exact multi-candidate tree verification (specdec.tree.verify_tree).
+"""Exact multi-candidate tree verification (specdec.verify.tree.verify_tree).
 
 Statistical test: many streams decode a sharp first-order Markov target (zeros included) by
 repeated tree verification; the committed transitions of each state must follow the target's
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdec import verify_chain
-from specdec.tree import ancestor_mask, depths, verify_tree
+from specdec.verify.tree import ancestor_mask, depths, verify_tree
 from stats import ALPHA, chi_square_pvalue
 
 V = 5

@@ -7,20 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specdec.tree as tree_module
-from specdec.adaptive import CallCosts, TreeBudget
-from specdec.blocks import TreeBlock
-from specdec.engine import Engine, Request, generate
+import specdec.verify.tree as tree_module
+from specdec.core.adaptive import CallCosts, TreeBudget
+from specdec.core.blocks import TreeBlock
+from specdec.core.engine import Engine, generate
+from specdec.core.rows import Request
 from specdec.proposers import HybridProposer
 from specdec.proposers.base import Proposal, tree_shape
 from specdec.proposers.head import HeadTreeProposer
-from specdec.runtime.head import DraftHead, HeadConfig
-from specdec.training.head_net import HeadNet
 from specdec.proposers.suffix import SuffixHistory, SuffixIndex, SuffixProposer, best_path, build_tree
-from specdec.sampling import SamplingMetadata, SamplingParams, probs_from_logits
-from specdec.tree import TreeVerification, verify_tree
+from specdec.verify.sampling import SamplingMetadata, SamplingParams, probs_from_logits
+from specdec.verify.tree import TreeVerification, verify_tree
 from stats import ALPHA, chi_square_pvalue
-from tiny_models import draft_step, exact_joint, hf_tiny, ours
+from tiny_models import draft_step, exact_joint, hf_tiny, ours, tiny_head
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 4, 5], [7, 8, 9, 7, 8, 9, 7], [3]]
@@ -31,18 +30,8 @@ def target():
     return ours(hf_tiny("qwen2", seed=0), "int8")
 
 
-def _head(target, vocab: int, seed: int) -> DraftHead:
-    """An untrained head over the first ``vocab`` ids (poor guesses, but deterministic ones:
-    exactness must not depend on the head's quality)."""
-    cfg = HeadConfig.for_target(target.cfg, intermediate_size=96)
-    ids = torch.arange(vocab)
-    rows = target.embed[ids].float().clone()
-    net = HeadNet(cfg, ids, target.embed.float(), target.final_norm.float(), rows, seed)
-    return DraftHead(net.cfg, net.export(), net.vocab_ids, target, net.lm_rows, target.dtype_name)
-
-
 def _proposers(target):
-    head = _head(target, 64, seed=1)
+    head = tiny_head(target, 64, seed=1)
     return {
         "suffix": lambda: SuffixProposer(min_match=1),
         "head-tree": lambda: HeadTreeProposer(head, 96, width=3, depth=4),
@@ -94,10 +83,10 @@ def _counts(target, proposer, k):
 
 def _small_tree_proposer(target):
     # 5 of 6 ids in the head's vocabulary: one id is never a candidate; 2 children per node, depth 2
-    return HeadTreeProposer(_head(target, 5, seed=2), 16, width=2, depth=2, tree_mode="always")
+    return HeadTreeProposer(tiny_head(target, 5, seed=2), 16, width=2, depth=2)
 
 
-def test_first_three_tokens_follow_the_exact_target_law(small):
+def test_first_three_tokens_follow_the_exact_target_law(small, always_trees):
     """Power: 10^5 samples over <= 216 cells (every committed position of the first three); the
     negative control below, the same run with a verifier that does not update the target
     distribution after a rejected sibling, fails with p < 1e-12."""
@@ -107,16 +96,16 @@ def test_first_three_tokens_follow_the_exact_target_law(small):
     assert chi_square_pvalue(counts, exact_joint(small, PROMPT, PARAMS, V_SMALL)) > ALPHA
 
 
-def test_negative_control_without_the_sibling_residual_fails(small, monkeypatch):
+def test_negative_control_without_the_sibling_residual_fails(small, monkeypatch, always_trees):
     monkeypatch.setattr(tree_module, "residual_distribution", lambda p, q, tolerance=1e-6: p)
     counts, _ = _counts(small, _small_tree_proposer(small), 4)
     assert chi_square_pvalue(counts, exact_joint(small, PROMPT, PARAMS, V_SMALL)) < 1e-12
 
 
-def test_seeded_sampling_with_trees_is_reproducible(target):
+def test_seeded_sampling_with_trees_is_reproducible(target, always_trees):
     params = SamplingParams(temperature=0.8)
-    head = _head(target, 64, seed=1)
-    runs = [generate(target, PROMPTS, params, 30, proposer=HeadTreeProposer(head, 96, width=3, depth=4, tree_mode="always"),
+    head = tiny_head(target, 64, seed=1)
+    runs = [generate(target, PROMPTS, params, 30, proposer=HeadTreeProposer(head, 96, width=3, depth=4),
                      k=6, seed=5) for _ in range(2)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
     assert runs[0][0].batch_metrics.acceptance.scored > runs[0][0].batch_metrics.acceptance.drafted  # trees
@@ -138,7 +127,6 @@ def test_tree_proposers_draft_chains_while_every_row_samples(target):
         assert not tree_shape(mode, True, SamplingMetadata(sampled))
         assert tree_shape(mode, True, both)
         assert not tree_shape(mode, False, both)  # the engine's ShapeRace asks for chains
-        assert tree_shape("always", False, SamplingMetadata(sampled))
         assert not tree_shape("chains", True, SamplingMetadata(greedy))
 
 
@@ -173,7 +161,7 @@ def test_suffix_best_path_follows_the_most_frequent_children():
 def test_the_chains_of_a_tree_proposer_follow_the_exact_target_law(small):
     """The chain mode (every row sampled) through the tree proposer: the first three tokens'
     joint law, 10^5 samples (the chain verifier's negative controls are in test_exactness)."""
-    counts, acc = _counts(small, HeadTreeProposer(_head(small, 5, seed=2), 16, width=2, depth=2), 4)
+    counts, acc = _counts(small, HeadTreeProposer(tiny_head(small, 5, seed=2), 16, width=2, depth=2), 4)
     assert acc.scored == acc.drafted and 0.1 < acc.accepted / acc.drafted < 0.95
     assert chi_square_pvalue(counts, exact_joint(small, PROMPT, PARAMS, V_SMALL)) > ALPHA
 
@@ -184,7 +172,7 @@ def test_head_tree_candidates_are_the_heads_own_best_guesses(target):
     weights drafts the first of them greedily; scores never increase down the tree."""
     from specdec.proposers.head import HeadProposer
 
-    head = _head(target, 64, seed=1)
+    head = tiny_head(target, 64, seed=1)
     prompt = [[4, 8, 15, 16, 23, 42]]
     hidden = target(torch.tensor(prompt), target.new_cache(1, 32), return_hidden=True)[1]
     tree = HeadTreeProposer(head, 32, width=3, depth=3, min_score=0.0)  # (an untrained head is unsure)
@@ -299,7 +287,7 @@ def test_suffix_history_is_bounded_and_never_matches_across_outputs():
 
 # -- the suffix proposer's copy cursor, re-entry points and learned replacements -------------------
 def _copy_proposer(prompt):
-    proposer = SuffixProposer(tree_mode="always")
+    proposer = SuffixProposer()
     proposer.add([prompt])
     return proposer
 
@@ -315,7 +303,7 @@ def test_suffix_proposer_follows_the_copy_it_is_making():
     and the latest would win a lookup; the copy's cursor knows the text continues with 60."""
     seg = list(range(1, 11))
     source = [50] + seg + [60] + [51] + seg + [61] + [99]
-    lookup_only = SuffixProposer(tree_mode="always")
+    lookup_only = SuffixProposer()
     lookup_only.add([source + seg])
     assert _best(lookup_only.lookup(1)) == [61]
     proposer = _copy_proposer(source + [50, 1])

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import verify_chain
-from specdec.sampling import sample
-from specdec.verify import acceptance_probability, residual_distribution
+from specdec.verify.sampling import sample
+from specdec.verify.chain import acceptance_probability, residual_distribution
 
 
 def _distribution(draw, vocab, allow_zeros=True):
@@ -195,7 +195,7 @@ def test_vocabulary_of_one_and_of_zero():
 
 
 def test_committed_returns_the_accepted_drafts_and_the_last_token():
-    from specdec.verify import ChainVerification
+    from specdec.verify.chain import ChainVerification
 
     result = ChainVerification(torch.tensor([0, 2]), torch.tensor([[5, -1, -1], [1, 2, 7]]))
     assert result.committed(0) == [5] and result.committed(1) == [1, 2, 7]

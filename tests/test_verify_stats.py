@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specdec.verify as verify_module
+import specdec.verify.chain as verify_module
 from specdec import verify_chain
 from stats import ALPHA, chi_square_pvalue
 

@@ -10,7 +10,7 @@ import transformers
 
 from specdec.runtime.config import ModelConfig
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingParams
+from specdec.verify.sampling import SamplingParams
 
 
 def hf_tiny(kind: str, vocab: int = 97, seed: int = 0, layers: int = 3, hidden: int = 64):
@@ -146,7 +146,7 @@ def exact_joint(target, prompt: list[int], params, vocab: int):
     (for chi-square tests of the first three generated tokens on a tiny vocabulary)."""
     import itertools
 
-    from specdec.sampling import probs_from_logits
+    from specdec.verify.sampling import probs_from_logits
 
     joint = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
 
@@ -191,8 +191,20 @@ def draft_step(proposer, pending, k, params=None, generator=None, tree=False):
     """One drafting step of a proposer outside an engine, as the engine runs it: ``feed`` the
     committed ids, then ``propose`` under one :class:`SamplingParams` for every row (greedy by
     default) and the draft stream ``generator``."""
-    from specdec.sampling import SamplingMetadata, SamplingParams
+    from specdec.verify.sampling import SamplingMetadata, SamplingParams
 
     proposer.feed(pending)
     params = SamplingParams(temperature=0.0) if params is None else params
     return proposer.propose(k, tree, SamplingMetadata([params] * len(pending), generator))
+
+
+def tiny_head(target, vocab: int, seed: int):
+    """An untrained draft head for ``target`` over its first ``vocab`` ids (poor guesses, but
+    deterministic ones: exactness must not depend on the head's quality)."""
+    from specdec.runtime.head import DraftHead, HeadConfig
+    from specdec.training.head_net import HeadNet
+
+    cfg = HeadConfig.for_target(target.cfg, intermediate_size=96)
+    ids = torch.arange(vocab)
+    net = HeadNet(cfg, ids, target.embed.float(), target.final_norm.float(), target.embed[ids].float().clone(), seed)
+    return DraftHead(net.cfg, net.export(), net.vocab_ids, target, net.lm_rows, target.dtype_name)

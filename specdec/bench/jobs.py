@@ -53,7 +53,7 @@ from specdec.bench import llama_server, llamacpp, openvino, vllm_server
 from specdec.bench.plots import write_plots
 from specdec.bench.report import write_report
 from specdec.proposers.suffix import SuffixHistory
-from specdec.sampling import SamplingParams
+from specdec.verify.sampling import SamplingParams
 from specdec.speculation import METHODS
 
 ALL_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup", "plain", "draft", "draft_auto", "ngram",

@@ -39,10 +39,10 @@ import specdec.runtime.q4 as q4
 from specdec.api import TextGenerator
 from specdec.bench.hf import hf_generate, load_hf
 from specdec.bench.prompts import CODE_PROMPTS
-from specdec.engine import generate
+from specdec.core.engine import generate
 from specdec.models import registry
 from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
-from specdec.sampling import SamplingParams
+from specdec.verify.sampling import SamplingParams
 
 
 def forward_scaling(model, context: int = 200, sizes=(1, 2, 5, 9), repeats: int = 7) -> dict[int, float]:

@@ -4,14 +4,14 @@ prompt set, recommend k, and check the prediction against a measured run.
 1. costs: the target's forward time for n = 1..k_max+1 new tokens (after the prompt), and the
    proposer's time per draft token (from a fixed-k run);
 2. acceptance per position, from a run with k = k_max: ``a_i`` = accepted at i / reached i;
-3. recommended ``k* = argmax E(k)/T(k)`` (see :mod:`specdec.adaptive`), predicted speed-up
+3. recommended ``k* = argmax E(k)/T(k)`` (see :mod:`specdec.core.adaptive`), predicted speed-up
    ``(E(k*)/T(k*)) * v(1)`` over plain decoding;
 4. measured speed-up: decode-phase tokens per second with k* vs plain decoding, same prompts.
 """
 
 from __future__ import annotations
 
-from specdec.adaptive import best_k, expected_tokens
+from specdec.core.adaptive import best_k, expected_tokens
 from specdec.bench.measure import forward_scaling
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.adaptive import K_MAX
+from specdec.core.adaptive import K_MAX
 from specdec.cli.common import int_at_least
 from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
 

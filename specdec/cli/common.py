@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdec.adaptive import K_MAX
-from specdec.engine import MAX_SEED
+from specdec.core.adaptive import K_MAX
+from specdec.core.rows import MAX_SEED
 from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
 from specdec.speculation import METHODS
 
@@ -21,8 +21,8 @@ def port(text: str) -> int:
     return value
 
 def k_value(text: str):
-    """--k: :func:`specdec.adaptive.check_k` of the text (an integer, or "auto")."""
-    from specdec.adaptive import check_k
+    """--k: :func:`specdec.core.adaptive.check_k` of the text (an integer, or "auto")."""
+    from specdec.core.adaptive import check_k
 
     try:
         return check_k(text if text == "auto" else int(text))

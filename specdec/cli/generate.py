@@ -8,7 +8,7 @@ import sys
 
 from specdec.cli.common import (UsageError, add_model_options, int_at_least, read_prompts, speculation_of,
                                  with_default_draft)
-from specdec.sampling import MAX_TEMPERATURE
+from specdec.verify.sampling import MAX_TEMPERATURE
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +37,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specdec.api import TextGenerator
-    from specdec.sampling import SamplingParams
+    from specdec.verify.sampling import SamplingParams
 
     spec = speculation_of(args)
     if args.system is not None and not args.chat:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdec.adaptive import K_MAX
+from specdec.core.adaptive import K_MAX
 from specdec.cli.common import int_at_least, read_prompts, resolve_auto_draft
 from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
 from specdec.speculation import METHODS
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from specdec.api import TextGenerator
     from specdec.bench.profile import format_profile, profile
     from specdec.bench.prompts import LOOKUP_METHODS, verify_prompts
-    from specdec.sampling import SamplingParams
+    from specdec.verify.sampling import SamplingParams
 
     resolve_auto_draft(args)
     proposer = args.proposer or ("draft" if args.draft else "ngram")

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from specdec.cli.common import (UsageError, add_model_options, int_at_least, megabytes, port, speculation_of,
                                  with_default_draft)
-from specdec.prefix_cache import PREFIX_CACHE_MB
+from specdec.core.prefix_cache import PREFIX_CACHE_MB
 from specdec.server.routing import ROUTINGS
 
 

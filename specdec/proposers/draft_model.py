@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource, draft_token, no_drafts
+from specdec.proposers.base import Proposal, draft_token, no_drafts
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingMetadata
+from specdec.verify.sampling import SamplingMetadata
 
 
-class DraftModelProposer(SingleSource):
+class DraftModelProposer:
     """Samples k tokens autoregressively from the draft with the rows' own sampling parameters,
     so the returned ``probs`` are exactly the processed ``q`` each token was drawn from."""
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource, TreeMode, draft_token, no_drafts
+from specdec.proposers.base import Proposal, draft_token, no_drafts
 from specdec.runtime.head import DraftHead
 from specdec.runtime.kv_cache import KVCache
-from specdec.sampling import SamplingMetadata, probs_per_row
+from specdec.verify.sampling import SamplingMetadata, probs_per_row
 
 
-class HeadProposer(SingleSource):
+class HeadProposer:
     """Drafts k tokens per row with a :class:`DraftHead`; returns the processed ``q`` each was
     sampled from (the rows' own temperature / top-k / top-p / min-p, zero outside the subset).
 
@@ -40,7 +40,6 @@ class HeadProposer(SingleSource):
         if not 0 <= min_score <= 1:
             raise ValueError(f"min_score must be in [0, 1], got {min_score}")
         self.head, self.capacity, self.min_score = head, capacity, min_score
-        self.feature_layers = head.cfg.feature_layers  # the target features it reads (engine contract)
         self.cache: KVCache | None = None
         self._committed = torch.zeros(0, dtype=torch.long)
         self._feats: list[torch.Tensor] = []
@@ -95,7 +94,7 @@ class HeadProposer(SingleSource):
             if q is not None:
                 probs.append(q)  # [B, V]
             if i < k - 1:
-                logits, guess = self.head(guess, token, self.cache, guessed=True)
+                logits, guess = self.head(guess, token, self.cache)
         tokens = torch.cat(drafts, 1) if drafts else torch.zeros(batch, 0, dtype=torch.long)  # [B, k'] k' <= k
         return Proposal(tokens, torch.stack(probs, 1) if probs else None, caught_up=caught_up, declined=declined)
 
@@ -173,19 +172,18 @@ class HeadTreeProposer(HeadProposer):
     target's distribution): exact at every temperature, whatever the head's quality.
 
     It drafts :class:`HeadProposer`'s chain instead (sampled drafts, or the argmax for greedy
-    rows) while every row samples (:func:`~specdec.proposers.base.all_sample`: measured faster at
-    T > 0) or when the engine asks for chains (its :class:`~specdec.adaptive.ShapeRace` measures
-    both): the engine decides, by :func:`~specdec.proposers.base.tree_shape`. ``tree_mode``
-    "always": trees whatever the rows and the engine ask (the tests of the tree path under sampling).
+    rows) while every row samples (measured faster at T > 0) or when the engine asks for chains
+    (its :class:`~specdec.core.adaptive.ShapeRace` measures both): the engine decides, by
+    :func:`~specdec.proposers.base.tree_shape`.
     """
 
-    def __init__(self, head: DraftHead, capacity: int, width: int = 4, depth: int = 5, min_score: float = 0.2,
-                 tree_mode: TreeMode = "trees") -> None:
+    tree_mode = "trees"
+
+    def __init__(self, head: DraftHead, capacity: int, width: int = 4, depth: int = 5, min_score: float = 0.2) -> None:
         if width < 1 or depth < 1 or not 0 <= min_score <= 1:
             raise ValueError(f"need width >= 1, depth >= 1 and 0 <= min_score <= 1, got {width}, {depth}, {min_score}")
         super().__init__(head, capacity + width * depth)  # the expanded nodes' slots while drafting (chains uncut)
         self.width, self.depth, self.tree_min_score = width, depth, min_score
-        self.tree_mode = tree_mode
 
     def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         if not tree:
@@ -213,7 +211,7 @@ class HeadTreeProposer(HeadProposer):
             else:  # a node continues from the guess after its parent (fed one level up)
                 parent_slot = (width * (level - 2)) + _position_in(fed[-1], parents.gather(1, frontier))
                 feat = guesses.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, guesses.shape[-1]))
-            logits, out = self.head(feat, tokens.gather(1, frontier), self.cache, guessed=True,
+            logits, out = self.head(feat, tokens.gather(1, frontier), self.cache,
                                     tree_mask=self._mask(parents, fed, frontier),
                                     positions=(base + level - 1).unsqueeze(1).expand(-1, width), tree_base=base)
             fed.append(frontier)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from specdec.proposers.base import LookupProposer, Proposal, Proposer
-from specdec.sampling import SamplingMetadata
+from specdec.verify.sampling import SamplingMetadata
 
 
 class HybridProposer:
@@ -29,10 +29,6 @@ class HybridProposer:
     @property
     def wants_target_hidden(self) -> bool:
         return self.model_draft.wants_target_hidden
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.model_draft.feature_layers
 
     def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
         self.lookup_side.add(prompts)

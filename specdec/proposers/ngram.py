@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource
-from specdec.sampling import SamplingMetadata
+from specdec.proposers.base import Proposal
+from specdec.verify.sampling import SamplingMetadata
 
 
 class NgramIndex:
@@ -49,7 +49,7 @@ class NgramIndex:
         return []
 
 
-class NgramProposer(SingleSource):
+class NgramProposer:
     wants_target_hidden = False
     tree_mode = "chains"
 

@@ -12,7 +12,7 @@ At each step the longest suffix of the context (up to ``max_match`` tokens, at l
 ``max_occurrences`` occurrences (up to the node budget in depth) are merged into a trie. A node's
 score is the fraction of occurrences that continue through it — the empirical probability that
 the text goes that way — so the tree holds the most frequent continuations, and
-:class:`~specdec.adaptive.TreeBudget` calibrates those frequencies against measured acceptance.
+:class:`~specdec.core.adaptive.TreeBudget` calibrates those frequencies against measured acceptance.
 Candidates are deterministic (``probs=None``): the tree verifier treats them exactly at any
 temperature.
 """
@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource, TreeMode
+from specdec.proposers.base import Proposal, TreeMode
 from specdec.proposers.ngram import NgramIndex
-from specdec.sampling import SamplingMetadata
+from specdec.verify.sampling import SamplingMetadata
 
 SEPARATOR = -1  # between documents of a shared index: no n-gram across it can match a context
 SCAN = 4  # occurrences looked at per continuation wanted (SuffixIndex.continuations)
@@ -299,13 +299,13 @@ class CopyRow:
                 self.rules.pop(next(iter(self.rules)))
 
 
-class SuffixProposer(SingleSource):
+class SuffixProposer:
     """Candidate trees from the context's own repetitions (and a shared history of earlier outputs),
     led by the copy each row is following (:class:`CopyRow`).
 
     When the engine asks for a chain (every row samples, or its ShapeRace wants one: see
     :func:`~specdec.proposers.base.tree_shape`) it proposes each tree's best path. ``tree_mode``:
-    "trees" (the default), "chains" (the hybrids' lookup side) or "always" (tests)."""
+    "trees" (the default) or "chains" (the hybrids' lookup side)."""
 
     wants_target_hidden = False
 

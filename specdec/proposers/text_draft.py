@@ -21,17 +21,17 @@ from collections import OrderedDict
 
 import torch
 
-from specdec.proposers.base import Proposal, SingleSource, no_drafts
+from specdec.proposers.base import Proposal, no_drafts
 from specdec.runtime import elementwise
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingMetadata
+from specdec.verify.sampling import SamplingMetadata
 
 TAIL = 8  # committed target tokens re-encoded with the drafted text (the boundary must reproduce them)
 EXTRA = 2  # draft tokens beyond k: tokenizations differ, and the last target token is dropped
 MEMO = 4096  # text conversions remembered (rows often share a context)
 
 
-class TextDraftProposer(SingleSource):
+class TextDraftProposer:
     """Drafts k target tokens per row from ``model``, whose tokenizer is ``draft_tokenizer``;
     ``target_tokenizer`` turns its text back into target tokens. Both tokenizers are Hugging Face
     tokenizers (``encode``/``decode``)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from specdec.runtime import q4, q6k
+from specdec.runtime.dense import FloatLinear
 from specdec.runtime.q4 import Q4KGrid
 from specdec.runtime.q6k import Q6KGrid
 
@@ -82,8 +83,6 @@ def layer(kind: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         return q4.Q4Linear(state)
     if kind == "q6k":
         return q6k.Q6KLinear(state)
-    from specdec.runtime.linear import FloatLinear
-
     return FloatLinear(state["weight"], state.get("bias"), torch.float32)
 
 

@@ -48,12 +48,6 @@ class HeadConfig:
     rope_theta: float
     attention_bias: bool
     target_vocab_size: int
-    # EAGLE-3's fusion: the target blocks whose outputs the head reads besides the last block's
-    # (fused by ``fuse``, G E -> E; see HeadNet.first_feature). () = the last block's alone.
-    feature_layers: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "feature_layers", tuple(self.feature_layers))  # a list when read from JSON
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, intermediate_size: int) -> "HeadConfig":
@@ -101,27 +95,19 @@ class DraftHead:
         self.body.quantized_state = {}
         self.norm_feature = state["feature_norm.weight"].to(target.act_dtype)
         self.norm_embed = state["embed_norm.weight"].to(target.act_dtype)
-        if cfg.feature_layers:  # EAGLE-3's fusion (see HeadNet.first_feature)
-            self.fuse = LinearBuilder(dtype)("fuse", lambda: state["fuse.weight"])
-            self.norm_groups = state["fuse_norm.weight"].to(target.act_dtype)  # [G, E]
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return self.body.new_cache(batch, capacity)
 
     @torch.inference_mode()
-    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, cache: KVCache, guessed: bool = False,
+    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, cache: KVCache,
                  **options) -> tuple[torch.Tensor, torch.Tensor]:
         """``features`` ``[B, T, E]`` and the tokens that follow them ``[B, T]`` -> subset logits
         ``[B, T', N]`` and the head's guesses of the next features ``[B, T, E]``. ``features`` are
-        the target's (``[B, T, G E]`` for a head with ``feature_layers``, fused here), or with
-        ``guessed`` the head's own guesses ``[B, T, E]`` (later draft steps). ``options``:
+        the target's last-block outputs, or the head's own guesses (later draft steps). ``options``:
         :meth:`Transformer.forward_embeds`'s (``logit_index``; ``tree_mask``/``positions``/``tree_base``)."""
         act, eps = self.target.act_dtype, self.cfg.rms_norm_eps
         features = features.to(act)
-        if self.cfg.feature_layers and not guessed:
-            groups = features.split(self.cfg.hidden_size, -1)  # G x [B, T, E]
-            features = self.fuse(torch.cat([rms_norm(g.contiguous(), w, eps, False)
-                                            for g, w in zip(groups, self.norm_groups)], -1))
         x = self.fc(torch.cat([rms_norm(features, self.norm_feature, eps, False),
                                rms_norm(self.target.embed[tokens], self.norm_embed, eps, False)], -1))
         return self.body.forward_embeds(x.to(self.target.act_dtype), cache, return_hidden=True, **options)

@@ -83,7 +83,7 @@ class KVCache:
 
     def read(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of ``row``'s K and V at slots ``start .. end``, ``[L, H, end - start, D]`` each
-        (a prefix cache's block: :mod:`specdec.prefix_cache`)."""
+        (a prefix cache's block: :mod:`specdec.core.prefix_cache`)."""
         if not 0 <= start <= end <= int(self.lengths[row]):
             raise ValueError(f"read({row}, {start}, {end}): row {row} holds {int(self.lengths[row])} slots")
         return self._k[:, row, :, start:end].clone(), self._v[:, row, :, start:end].clone()

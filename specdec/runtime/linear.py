@@ -32,9 +32,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from specdec.runtime import q4
+from specdec.runtime.dense import FloatLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "q4": torch.uint8,
           "q4k": torch.uint8, "gguf": torch.uint8}
@@ -53,17 +53,6 @@ DEFAULT_DTYPE = "auto"
 DTYPE_CHOICES = (DEFAULT_DTYPE, *DTYPES)  # what --dtype accepts
 
 _ANCHOR_COLUMNS = 8  # +1, -1, then zeros: keeps K a multiple of 8 when it was one
-
-
-class FloatLinear(torch.nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = weight.to(dtype).contiguous()  # [N, K]
-        self.bias = None if bias is None else bias.to(dtype)
-        self.out_features = self.weight.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
 def quantize_int8(

@@ -16,7 +16,6 @@ decoded alone, verified in a block, prefilled, or batched with other rows.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import torch
@@ -221,7 +220,6 @@ class Transformer(torch.nn.Module):
         linear.pack_all()
         self.stack = self._build_stack(self.blocks)
         self.use_stack = True  # tests and measurements compare it with the per-layer loop
-        self._plans: dict[tuple[int, ...], list] = {}  # hidden_layers -> [(first, end, stack or None)]
         self._rope_len = 0
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -237,7 +235,6 @@ class Transformer(torch.nn.Module):
         sliding = self.cfg.layer_is_sliding[:num_layers]
         view.cfg = dataclasses.replace(self.cfg, num_layers=num_layers, layer_is_sliding=sliding)
         view.stack = view._build_stack(view.blocks) if self.stack is not None else None
-        view._plans = {}
         return view
 
     def _build_stack(self, blocks):
@@ -245,24 +242,6 @@ class Transformer(torch.nn.Module):
         if not stack.eligible(blocks) or len({block.sliding for block in blocks}) != 1:  # one visibility per call
             return None
         return stack.build(blocks, self.cfg.rms_norm_eps, blocks[0].scale, self.cfg.num_heads)
-
-    def _layer_plan(self, hidden_layers: tuple[int, ...]) -> list[tuple[int, int, object]]:
-        """``[(first, end, stack)]``: the blocks cut after each of ``hidden_layers`` into runs,
-        each with a C++ stack of its blocks when the whole model has one (else None: the
-        per-layer loop). Checked and built once per layer set; the stacks share the blocks'
-        weights. Without ``hidden_layers``: one run, the model's own stack."""
-        plan = self._plans.get(hidden_layers)
-        if plan is not None:
-            return plan
-        last = len(self.blocks) - 1
-        if hidden_layers and not (list(hidden_layers) == sorted(set(hidden_layers))
-                                  and 0 <= hidden_layers[0] and hidden_layers[-1] < last):
-            raise ValueError(f"hidden_layers must be increasing block indices below {last}, got {hidden_layers}")
-        cuts = [0] + [i + 1 for i in hidden_layers] + [len(self.blocks)]
-        plan = [(a, b, None if self.stack is None else self._build_stack(self.blocks[a:b]))
-                for a, b in zip(cuts, cuts[1:])] if hidden_layers else [(0, len(self.blocks), self.stack)]
-        self._plans[hidden_layers] = plan
-        return plan
 
     def with_output_rows(self, rows: torch.Tensor) -> "Transformer":
         """A view whose output layer computes logits for only some token ids: ``rows`` ``[N, E]``
@@ -332,7 +311,6 @@ class Transformer(torch.nn.Module):
         logit_index: torch.Tensor | None = None,
         return_hidden: bool = False,
         tree_base: torch.Tensor | None = None,
-        hidden_layers: tuple[int, ...] = (),
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append input vectors ``x`` ``[B, T, E]`` (embedded tokens, or a draft head's projected
         features) to ``cache`` and return logits ``[B, T', V]`` (fp32).
@@ -347,9 +325,6 @@ class Transformer(torch.nn.Module):
             calls (a draft head expanding a candidate tree depth by depth). Slots before it are
             always visible; ``tree_mask`` is then ``[B, T, (lengths - tree_base) + T]`` and covers
             the earlier tree slots too. Default: the cache length (the tree is this block).
-        hidden_layers: with ``return_hidden``, the hidden returned is ``[B, T, (n + 1) E]``: the
-            outputs of these n blocks (0-based, in order), then the last block's (EAGLE-3's fused
-            low/middle/high features). The layer stack then runs in pieces (the same bits).
         """
         bsz, t, _ = x.shape
         if bsz != cache.batch:
@@ -367,22 +342,17 @@ class Transformer(torch.nn.Module):
         rope = self._rope_for(positions)
         common_start = None if self.blocks[0].fused else cache.common_start(slots)  # a host sync; fused blocks need none
         x = x.contiguous()
-        if hidden_layers and not return_hidden:
-            raise ValueError("hidden_layers needs return_hidden")
-        kept = []  # [B, T, E] outputs of the hidden_layers blocks
-        stacked = self.use_stack and self.blocks[0].fused
-        for a, b, run in self._layer_plan(tuple(hidden_layers)):  # one run unless hidden_layers cut it
-            if run is not None and stacked:  # the run's layers in one call: Block._forward_fused's kernels, same bits
-                vis = visible["local" if self.blocks[a].sliding else "global"]  # the run's blocks share it
-                x = run.forward(x, cache.k[a:b], cache.v[a:b], *rope["global"], slots, vis.lo, vis.hi, vis.extra_ptr,
-                                vis.extra)
-            else:
-                for block in itertools.islice(self.blocks, a, b):
-                    x = block.forward(x, cache, slots, common_start, rope, visible)  # (see Block._forward_fused)
-            if b < len(self.blocks):
-                kept.append(x.clone())
+        if self.stack is not None and self.use_stack and self.blocks[0].fused:
+            # every layer in one call: Block._forward_fused's kernels, the same bits
+            vis = visible["local" if self.blocks[0].sliding else "global"]  # (a stack's blocks share it)
+            n = len(self.blocks)
+            x = self.stack.forward(x, cache.k[:n], cache.v[:n], *rope["global"], slots, vis.lo, vis.hi, vis.extra_ptr,
+                                   vis.extra)
+        else:
+            for block in self.blocks:
+                x = block.forward(x, cache, slots, common_start, rope, visible)  # (see Block._forward_fused)
         cache.advance(t)
-        hidden = torch.cat(kept + [x], -1) if kept else x  # [B, T, E], or [B, T, (n + 1) E] with hidden_layers
+        hidden = x  # [B, T, E]: the last block's output
         if logit_index is not None:
             x = x.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         x = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps, self.cfg.is_gemma)

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over one :class:`~specdec.engine.Engine` (continuous batching).
+"""An OpenAI-compatible HTTP server over one :class:`~specdec.core.engine.Engine` (continuous batching).
 
 * :mod:`specdec.server.scheduler` — the worker thread that owns the engine; jobs in, events out.
 * :mod:`specdec.server.app` — the FastAPI application: OpenAI request/response formats, errors.

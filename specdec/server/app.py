@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.api import TextGenerator
-from specdec.engine import MAX_SEED, Request
-from specdec.sampling import SamplingParams
+from specdec.core.rows import MAX_SEED, Request
+from specdec.verify.sampling import SamplingParams
 from specdec.server.metrics import ServerMetrics
 from specdec.server.scheduler import Job, QueueFull, Scheduler, ServeConfig
 

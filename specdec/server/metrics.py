@@ -33,7 +33,7 @@ class ServerMetrics:
         self.prefix_bytes = Gauge("specdec_prefix_cache_bytes", "Memory held by the prefix cache", registry=r)
 
     def observe_prefix(self, prefix) -> None:
-        """The prefix cache's totals (:class:`specdec.prefix_cache.PrefixStats`) as gauges."""
+        """The prefix cache's totals (:class:`specdec.core.prefix_cache.PrefixStats`) as gauges."""
         self.prefix_hit_rate.set(prefix.stats.hit_rate)
         self.prefill_saved.set(prefix.stats.hit_tokens)
         self.prefix_bytes.set(prefix.bytes)

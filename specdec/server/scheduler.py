@@ -8,7 +8,7 @@ jobs; the worker takes them out of the batch before its next step, freeing their
 
 What a request gets back does not depend on the others: the runtime is batch invariant (greedy
 answers are those of the request run alone) and a request with a ``seed`` is sampled
-reproducibly from its own generator (:mod:`specdec.reproducible`).
+reproducibly from its own generator (:mod:`specdec.verify.reproducible`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specdec.api import TextGenerator
-from specdec.engine import Request, RowState
-from specdec.prefix_cache import PREFIX_CACHE_MB, PrefixCache
+from specdec.core.rows import Request, RowState
+from specdec.core.prefix_cache import PREFIX_CACHE_MB, PrefixCache
 from specdec.server.metrics import ServerMetrics
-from specdec.session import Session, TextRow, TextUpdate
+from specdec.text.session import Session, TextRow, TextUpdate
 from specdec.speculation import SpeculationConfig
 
 # What a finished row's reason is called in the OpenAI format.
@@ -37,7 +37,7 @@ class ServeConfig:
     ``max_queue``: requests waiting for a row before new ones get 429; ``max_model_len``: prompt
     + max_tokens per request (sizes each row's KV cache); ``max_request_bytes``: the largest
     request body (413 beyond it); ``prefix_cache_mb``: memory for the KV of earlier prompts and
-    answers that later requests start with (:mod:`specdec.prefix_cache`; 0: none)."""
+    answers that later requests start with (:mod:`specdec.core.prefix_cache`; 0: none)."""
 
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig.plain)
     max_batch: int = 16

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from specdec.toy.markov import MarkovPair, closed_form
-from specdec.verify import verify_chain
+from specdec.verify.chain import verify_chain
 
 SEED_TOKENS = 100_000
 SEED_K = 4

@@ -20,24 +20,13 @@ from specdec.runtime.model import Transformer
 SHARD = 16
 
 
-def fused_layers(num_layers: int) -> tuple[int, ...]:
-    """The low and middle blocks whose outputs EAGLE-3's fused features hold before the last
-    block's: blocks 1 and L/2 - 1 (0-based), i.e. the inputs of blocks 2 and L/2, vLLM's choice for
-    its low and middle features (its high one is block L-3's input; here the last block's output,
-    so that a last-only head reads a strict subset of a fused head's input). A shallow model gets
-    those of them below its last block."""
-    return tuple(sorted({1, num_layers // 2 - 1} & set(range(num_layers - 1))))
-
-
 def shard_path(directory: Path, index: int) -> Path:
     return directory / f"features-{index:05d}.safetensors"
 
 
-def extract(target: Transformer, sequences: list[list[int]], directory: Path, layers: tuple[int, ...] = ()) -> None:
+def extract(target: Transformer, sequences: list[list[int]], directory: Path) -> None:
     """Write ``features-NNNNN.safetensors`` shards (``tokens`` [n, L] int32 padded with -1,
-    ``hidden`` [n, L, E] fp16) for ``sequences`` into ``directory``; existing shards are kept.
-    ``layers``: also the outputs of these blocks, before the last block's (``hidden`` [n, L, G E],
-    G = len(layers) + 1; EAGLE-3's fused features)."""
+    ``hidden`` [n, L, E] fp16) for ``sequences`` into ``directory``; existing shards are kept."""
     directory.mkdir(parents=True, exist_ok=True)
     shards = range(0, len(sequences), SHARD)
     todo = [s for s in shards if not shard_path(directory, s // SHARD).exists()]
@@ -48,17 +37,15 @@ def extract(target: Transformer, sequences: list[list[int]], directory: Path, la
         for start in todo:
             rows = []
             for ids in sequences[start : start + SHARD]:
-                rows.append((ids, prefill_features(target, ids, layers)))
+                rows.append((ids, prefill_features(target, ids)))
                 bar.update(len(ids))
             write_shard(shard_path(directory, start // SHARD), rows)
 
 
-def prefill_features(target: Transformer, ids: list[int], layers: tuple[int, ...] = ()) -> torch.Tensor:
-    """``[L, E]`` the target's last-block output at every position of ``ids`` (one prefill);
-    ``[L, G E]`` with the outputs of blocks ``layers`` first (see :func:`extract`)."""
+def prefill_features(target: Transformer, ids: list[int]) -> torch.Tensor:
+    """``[L, E]`` the target's last-block output at every position of ``ids`` (one prefill)."""
     kv = target.new_cache(1, len(ids))
-    _, hidden = target(torch.tensor([ids]), kv, logit_index=torch.tensor([[len(ids) - 1]]), return_hidden=True,
-                       hidden_layers=layers)
+    _, hidden = target(torch.tensor([ids]), kv, logit_index=torch.tensor([[len(ids) - 1]]), return_hidden=True)
     return hidden[0]
 
 
@@ -79,14 +66,14 @@ def load_shards(directory: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def generate_with_features(target: Transformer, prompts: list[list[int]], params, max_new_tokens: int,
-                           eos_token_ids, seed: int = 0, layers: tuple[int, ...] = ()) -> list[tuple[list[int], torch.Tensor]]:
+                           eos_token_ids, seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
     """The target's own answers to ``prompts`` with its features at every position of prompt and
-    answer but the last (whose feature is never computed): ``[(ids, hidden [len(ids) - 1, E])]``
-    (``[.., G E]`` with ``layers``, see :func:`extract`)."""
-    from specdec.engine import Engine, Request, kv_capacity, steps
+    answer but the last (whose feature is never computed): ``[(ids, hidden [len(ids) - 1, E])]``."""
+    from specdec.core.engine import new_engine, steps
+    from specdec.core.rows import Request
 
-    engine = Engine(target, capacity=kv_capacity(max(map(len, prompts)) + max_new_tokens, 0, 0), k_max=0,
-                    eos_token_ids=eos_token_ids, seed=seed, record_features=True, feature_layers=layers)
+    engine = new_engine(target, max(map(len, prompts)) + max_new_tokens, k_max=0, eos_token_ids=eos_token_ids,
+                        seed=seed, record_features=True)
     rows = [engine.add(Request(p, params, max_new_tokens)) for p in prompts]
     for _ in steps(engine, rows):
         pass

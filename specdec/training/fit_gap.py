@@ -27,7 +27,8 @@ from specdec.api import TextGenerator
 from specdec.models import heads, registry
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.training import features
-from specdec.training.run import AnswerSlice, answer_header, init_net, own_answer_dir
+from specdec.training.recipe import AnswerSlice
+from specdec.training.run import answer_header, init_net, own_answer_dir
 from specdec.training.train import Dataset, evaluate
 
 
@@ -71,7 +72,7 @@ def main() -> None:
     header = answer_header(gen.encode_chat)
     out = {"head": Path(args.head).name, "temperature": args.temperature, "groups": {}}
     for name, part in groups:
-        directory = own_answer_dir(args.workdir, part.source, head_cfg.feature_layers)
+        directory = own_answer_dir(args.workdir, part.source)
         paths = [features.shard_path(directory, b) for b in part.batches]
         data = Dataset([features.load_shard(p) for p in paths if p.exists()])
         if not len(data):

@@ -77,9 +77,8 @@ def main() -> None:
 
     out = {"head": path.name, "target": gen.target.name, "dtype": args.dtype, "cpu": cpu_name(), "sets": {}}
     for name in sets:
-        layers = head_cfg.feature_layers  # a fused head's held-out features are stored apart
-        held = (held_out_sharegpt(gen.target, workdir, gen.encode_chat, 1024, layers=layers) if name == "sharegpt" else
-                held_out_own_answers(gen.target, workdir, gen.encode_chat, gen.eos_token_ids, layers,
+        held = (held_out_sharegpt(gen.target, workdir, gen.encode_chat, 1024) if name == "sharegpt" else
+                held_out_own_answers(gen.target, workdir, gen.encode_chat, gen.eos_token_ids,
                                      source="sharegpt-translate" if name == "translations" else "sharegpt"))
         result = out["sets"][name] = {"held_out_windows": len(held), "by_temperature": {}}
         for t in [float(x) for x in args.temperatures.split(",")]:

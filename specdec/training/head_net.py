@@ -33,10 +33,6 @@ class HeadNet(torch.nn.Module):
         self.norm_embed = torch.nn.Parameter(torch.ones(e))
         self.norm_in = torch.nn.Parameter(torch.ones(e))
         self.norm_post = torch.nn.Parameter(torch.ones(e))
-        groups = len(cfg.feature_layers) + 1
-        if groups > 1:  # EAGLE-3's fusion of the target's low/middle/last features (see first_feature)
-            self.norm_groups = torch.nn.Parameter(torch.ones(groups, e))
-            self.fuse = init(e, groups * e)
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
         self.embed, self.final_norm, self.lm_rows = embed, final_norm.float(), lm_rows.float()
         self._rope = rope_tables(cfg.rope_theta, cfg.head_dim, 4096)
@@ -58,8 +54,6 @@ class HeadNet(torch.nn.Module):
             out[LAYER + name + ".weight"] = self.linears[name.replace(".", "_")].detach().clone()
         for p, b in self.biases.items():
             out[LAYER + f"self_attn.{p}_proj.bias"] = b.detach().clone()
-        if self.cfg.feature_layers:
-            out["fuse.weight"], out["fuse_norm.weight"] = self.fuse.detach().clone(), self.norm_groups.detach().clone()
         return out
 
     def load_export(self, state: dict[str, torch.Tensor]) -> None:
@@ -73,37 +67,11 @@ class HeadNet(torch.nn.Module):
                 self.linears[name.replace(".", "_")].copy_(state[LAYER + name + ".weight"])
             for p, b in self.biases.items():
                 b.copy_(state[LAYER + f"self_attn.{p}_proj.bias"])
-            if self.cfg.feature_layers:
-                self.fuse.copy_(state["fuse.weight"])
-                self.norm_groups.copy_(state["fuse_norm.weight"])
-
-    def fuse_as_last_only(self) -> dict[str, torch.Tensor]:
-        """Fusion weights under which this head computes what a head reading the last block's
-        features alone does (``fuse`` = [0 .. 0 | I], unit norms: the last group normalised, which
-        the feature norm then sees unchanged): a trained last-only head becomes a fused one that
-        starts where it was and learns to use the other blocks (their weights' gradients are not
-        zero, as their inputs are not)."""
-        e, groups = self.cfg.hidden_size, len(self.cfg.feature_layers) + 1
-        fuse = torch.zeros(e, groups * e)
-        fuse[:, -e:] = torch.eye(e)
-        return {"fuse.weight": fuse, "fuse_norm.weight": torch.ones(groups, e)}
 
     # -- forward ---------------------------------------------------------------------------------
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's final norm of its features ``[..., E]`` (what its output layer reads); of
-        fused features ``[..., G E]``, their last E columns: the last block's output."""
-        return rms_norm(hidden[..., -self.cfg.hidden_size :].float(), self.final_norm, self.cfg.rms_norm_eps, False)
-
-    def first_feature(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What the first draft step reads ``[..., E]`` from the target's features: the last
-        block's output, or with ``feature_layers`` (EAGLE-3) the G blocks' outputs ``[..., G E]``,
-        each RMS-normalised with its own weight (the residual stream's scale grows with depth),
-        concatenated and projected G E -> E by ``fuse``."""
-        if not self.cfg.feature_layers:
-            return hidden.float()
-        groups = hidden.float().split(self.cfg.hidden_size, -1)  # G x [..., E]
-        normed = [rms_norm(g, w, self.cfg.rms_norm_eps, False) for g, w in zip(groups, self.norm_groups)]
-        return F.linear(torch.cat(normed, -1), self.fuse)
+        """The target's final norm of its features ``[..., E]`` (what its output layer reads)."""
+        return rms_norm(hidden.float(), self.final_norm, self.cfg.rms_norm_eps, False)
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's own logits over the subset from its features ``[..., E]`` -> ``[..., N]``."""
@@ -163,7 +131,7 @@ class HeadNet(torch.nn.Module):
         at = lambda t, idx: t.gather(1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))  # noqa: E731  [B, n, C]
 
         # pass 1's keys and values at every slot: what every chain attends to
-        x = F.linear(self.fc_input(self.first_feature(hidden), emb), self.fc)  # [B, L, E]
+        x = F.linear(self.fc_input(hidden.float(), emb), self.fc)  # [B, L, E]
         h = rms_norm(x, self.norm_in, cfg.rms_norm_eps, False)
         prefix_k = self._proj(h, "self_attn.k_proj", "k").view(bsz, length, kvh, hd).transpose(1, 2)  # [B, kvh, L, D]
         prefix_k = apply_rope(prefix_k, cos.view(1, 1, length, -1), sin.view(1, 1, length, -1))

@@ -21,6 +21,7 @@ from specdec.models.loading import LoadedModel
 from specdec.models.heads import read_head, save_head
 from specdec.training.head_net import HeadNet
 from specdec.training import corpus, features
+from specdec.training.recipe import AnswerSlice, HeadRecipe
 from specdec.training.train import (Dataset, TrainConfig, evaluate, head_config, precision, split, train, vocab_subset,
                                     write_json)
 
@@ -28,153 +29,95 @@ from specdec.training.train import (Dataset, TrainConfig, evaluate, head_config,
 ANSWER_BATCH = 16
 ANSWER_TOKENS = 256
 ANSWER_TEMPERATURES = (0.0, 0.7)  # batch b answers at ANSWER_TEMPERATURES[b % 2]: greedy and sampled text
-SOURCES = ("sharegpt", "python-docs")  # the corpora train-head reads, and whose requests the target answers
-# Requests the target answers itself: the corpora's, and requests to translate ShareGPT's English
-# paragraphs (sharegpt.translation_prompts), for the non-English text the corpus lacks.
-ANSWER_SOURCES = SOURCES + ("sharegpt-translate",)
+FEATURES_READ = "the target's last block output"  # what every head reads (its card says so)
 
 
-@dataclass(frozen=True)
-class AnswerSlice:
-    """Batches ``first`` .. ``end - 1`` of the target's own answers to ``source``'s requests
-    (batch b answers requests 16 b .. 16 b + 15 of :func:`answer_prompts`, so a batch is the same
-    text whichever slice names it): stage 2's data, e.g. ``sharegpt:36-63`` for batches no earlier
-    stage trained on, mixed with ``python-docs:0-16``."""
-
-    source: str
-    first: int
-    end: int
-
-    def __post_init__(self):
-        if self.source not in ANSWER_SOURCES:
-            raise ValueError(f"AnswerSlice.source must be one of {ANSWER_SOURCES}, got {self.source!r}")
-        if not 0 <= self.first < self.end:
-            raise ValueError(f"AnswerSlice needs 0 <= first < end, got {self.first}-{self.end}")
-
-    @classmethod
-    def parse(cls, text: str) -> "AnswerSlice":
-        """``SOURCE:FIRST-END`` or ``SOURCE:N`` (batches 0 .. N - 1)."""
-        import re
-
-        match = re.fullmatch(r"([\w-]+):(?:(\d+)-)?(\d+)", text)
-        if match is None:
-            raise ValueError(f"an answer slice is SOURCE:FIRST-END or SOURCE:N, got {text!r}")
-        source, first, end = match.groups()
-        return cls(source, int(first or 0), int(end))
-
-    @property
-    def batches(self) -> range:
-        return range(self.first, self.end)
-
-    def __str__(self) -> str:
-        return f"{self.source}:{self.first}-{self.end}"
-
-
-def run(target: LoadedModel, workdir: Path, out: Path, max_tokens: int, cfg: TrainConfig,
-        eos_ids: set[int], max_sequences: int | None = None, corpus_root: Path | None = None,
-        answers: tuple[AnswerSlice, ...] = (), finetune_steps: int = 0, encode_chat=None, init_head: Path | None = None,
-        source: str = "python-docs", seq_len: int = 512, extract_only: bool = False,
-        new_vocab: bool = False, fused: bool = False, widen_vocab: int = 0) -> dict | None:
-    """Train a head for ``target`` (its runtime dtype is the one whose features the head learns
-    to read) and write it to ``out``; returns the model card.
-
-    With ``init_head`` (a head file made by an earlier run for the same target), stage 1 is not
-    run: that head is the starting point of stage 2, which then trains on own answers alone (the
-    corpus is still built, to know which chunks stage 1 used), and the card keeps the earlier
-    run's stage-1 record.
-
-    ``source``: "sharegpt" (chat conversations, :mod:`specdec.training.sharegpt`, formatted by
-    ``encode_chat``) or "python-docs" (:mod:`specdec.training.corpus`). ``extract_only``: stop
-    after the feature shards are written (a long extraction in stages), or with ``answers``
-    (stage 2's own answers, :class:`AnswerSlice`) after they are generated; returns None then.
-    ``new_vocab``: stage 2 re-chooses the ids the head drafts from the corpus sequences used and
-    the own answers (see :func:`_finetune_on_own_answers`). ``fused``: a new head reads EAGLE-3's
-    fused features (:func:`features.fused_layers`), stored under their own names in ``workdir``; a
-    head from ``init_head`` reads what it was made to read, or with ``fused`` a last-block head
-    becomes a fused one that starts as the same function (:meth:`HeadNet.fuse_as_last_only`).
-    ``widen_vocab``: stage 2 from ``init_head`` widens the drafted ids to that many instead
-    (:func:`widened_vocab`); it excludes ``new_vocab``."""
-    if widen_vocab and new_vocab:
-        raise ValueError("widen_vocab and new_vocab exclude each other: one keeps the head's ids and adds more, "
-                         "the other chooses them anew")
+def run(target: LoadedModel, recipe: HeadRecipe, workdir: Path, out: Path, eos_ids: set[int],
+        encode_chat) -> dict | None:
+    """Run ``recipe`` for ``target`` (its runtime dtype is the one whose features the head learns
+    to read) and write the head to ``out`` with its card; returns the card (None with
+    ``extract_only``). Stages: corpus -> features or own answers -> training -> evaluation ->
+    card, each kept in ``workdir`` and skipped when already there (an interrupted run resumes).
+    ``encode_chat``: the target's chat encoding (``TextGenerator.encode_chat``)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    layers = features.fused_layers(target.model.cfg.num_layers) if fused else ()
-    if init_head is not None and not fused:
-        layers = read_head(init_head)[0].feature_layers
-    corpus_path = workdir / ("corpus.json" if source == "python-docs" else f"corpus-{source}-{seq_len}.json")
-    stages = {}
-    t = time.perf_counter()
-    if corpus_path.exists():
-        data = corpus.load(corpus_path)
-        if data["manifest"]["tokens"] < max_tokens * 0.9 and max_sequences is None:
-            data = None  # a larger corpus was asked for: rebuild (the old one is its prefix)
-    else:
-        data = None
-    if data is None:
-        data = _build_corpus(target, source, max_tokens, seq_len, cfg.seed, corpus_root, encode_chat)
-        corpus.save(data, corpus_path)
-    sequences = data["sequences"][:max_sequences]
-    stages["corpus_seconds"] = round(time.perf_counter() - t, 1)
-    sources = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}  # chunks the corpus used
-
-    if extract_only:  # everything training will read: the held-out set first (the "before" figures)
-        if answers:  # stage 2's data alone: the target's own answers
-            if source == "sharegpt":
-                held_out_own_answers(target, workdir, encode_chat, eos_ids, layers)
-            for part in answers:
-                _answer_slice(target, workdir, part, source, sources, eos_ids, encode_chat, corpus_root, layers)
-            return None
-        if source == "sharegpt":
-            held_out_sharegpt(target, workdir, encode_chat, seq_len, layers=layers)
-        features.extract(target.model, sequences, workdir / _features_dir(source, seq_len, layers), layers)
+    data, corpus_seconds = corpus_stage(target, recipe, workdir, encode_chat)
+    sequences = data["sequences"][: recipe.sequences]
+    used = {s.split("#")[0] for s in data["manifest"]["sources"][: len(sequences)]}  # chunks the corpus used
+    if recipe.extract_only:
+        extract_stage(target, recipe, workdir, sequences, used, eos_ids, encode_chat)
         return None
-    model = target.model
     full_rows = heads.output_rows(target)  # [V, E] the target's output layer in fp32
-    if init_head is not None and not (answers and finetune_steps):
-        card = _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_rows, init_head, encode_chat,
-                                   source, seq_len, out, layers)
+    if recipe.init_head is not None and not recipe.stage2:
+        card = _finetune_on_corpus(target, recipe, workdir, data, sequences, eos_ids, full_rows, encode_chat, out)
         return card
-    if init_head is None:
-        card, net, dataset, train_ids = _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages,
-                                                workdir / _features_dir(source, seq_len, layers), layers)
-        command = _stage1_command(target, max_tokens, max_sequences, cfg) + (" --fused-features" if layers else "")
+    if recipe.init_head is None:
+        card, net, dataset, train_ids = _stage1(target, recipe, workdir, data, sequences, eos_ids, full_rows)
+        card["stages"]["corpus_seconds"] = corpus_seconds
     else:
-        net, card = init_net(init_head, target, full_rows, cfg.seed, layers)
-        earlier_dtype, card["target_dtype"] = card.get("target_dtype"), model.dtype_name
-        beside = init_head.with_suffix(".json")  # the card written next to it: its command, full records
-        full = json.loads(beside.read_text()) if beside.exists() else {}
-        command = card.pop("command", None) or full.get("command")
-        card = {k: v for k, v in card.items() if k not in ("sha256", "bytes")}
-        earlier = card.pop("finetune", None)
-        if earlier is not None:
-            card["finetune_earlier"] = full.get("finetune", earlier)
-        card["init_head"] = {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest(),
-                             "target_dtype": earlier_dtype} | (
-            {"earlier": card["init_head"]} if "init_head" in card else {})  # the whole chain of heads stays on record
+        net, card = _continued(target, recipe, full_rows)
         dataset, train_ids = Dataset([]), []
-        command = command or f"(the command that made {init_head.name} was not recorded)"
-    finetune = None
-    if answers and finetune_steps:
-        finetune = _finetune_on_own_answers(target, net, dataset, train_ids, cfg, workdir, sources, answers,
-                                            finetune_steps, eos_ids, encode_chat, full_rows, corpus_root, source,
-                                            _checkpoint(workdir, f"finetune-own-{source}", out, layers),
-                                            new_vocab_from=sequences if new_vocab else None, layers=layers,
-                                            widen_vocab=widen_vocab)
-        card["finetune"] = finetune
-    stage2 = (f" {_answers_option(answers, source)} --finetune-steps {finetune_steps}"
-              + (" --new-vocab" if new_vocab else "")
-              + (f" --widen-vocab {widen_vocab}" if widen_vocab else "")) if finetune else ""
-    card["features"] = _features_read(layers, model.cfg.num_layers)
-    if init_head is None:
-        card["command"] = command + stage2 + f" --out {out.name}"
-    else:
-        card["command"] = (f"{command}; then specdec train-head --target {target.name} --dtype {model.dtype_name} "
-                           f"--tokens {max_tokens} --lr {cfg.lr} --seed {cfg.seed} --init-head {init_head.name}"
-                           + (" --fused-features" if layers else "")
-                           + _loss_options(cfg) + f"{stage2} --out {out.name}")
+    if recipe.stage2:
+        checkpoint = _checkpoint(workdir, f"finetune-own-{recipe.source}", out)
+        card["finetune"] = _finetune_on_own_answers(target, recipe, net, dataset, train_ids, sequences, workdir, used,
+                                                    eos_ids, encode_chat, full_rows, checkpoint)
+    card["features"] = FEATURES_READ
+    command = recipe.command(target.name, target.model.dtype_name, out.name)
+    card["command"] = command if recipe.init_head is None else f"{card.pop('command')}; then {command}"
     _write_head(out, net, card)
     cache.write_atomic(out.with_suffix(".md"), lambda tmp: tmp.write_text(card_markdown(card, out.name)))
     return card
+
+
+def corpus_stage(target: LoadedModel, recipe: HeadRecipe, workdir: Path, encode_chat) -> tuple[dict, float]:
+    """The corpus (built once into ``workdir``; rebuilt when a larger one is asked for, the old one
+    being its prefix) and the seconds it took here."""
+    t = time.perf_counter()
+    name = "corpus.json" if recipe.source == "python-docs" else f"corpus-{recipe.source}-{recipe.seq_len}.json"
+    path = workdir / name
+    data = corpus.load(path) if path.exists() else None
+    if data is not None and data["manifest"]["tokens"] < recipe.tokens * 0.9 and recipe.sequences is None:
+        data = None
+    if data is None:
+        data = _build_corpus(target, recipe.source, recipe.tokens, recipe.seq_len, recipe.train.seed,
+                             recipe.corpus_root, encode_chat)
+        corpus.save(data, path)
+    return data, round(time.perf_counter() - t, 1)
+
+
+def extract_stage(target, recipe: HeadRecipe, workdir: Path, sequences, used: set[str], eos_ids, encode_chat) -> None:
+    """Everything training will read, the held-out set first (the "before" figures): the corpus's
+    features, or with ``answers`` stage 2's data alone, the target's own answers."""
+    sharegpt = recipe.source == "sharegpt"
+    if recipe.answers:
+        if sharegpt:
+            held_out_own_answers(target, workdir, encode_chat, eos_ids)
+        for part in recipe.answers:
+            _answer_slice(target, workdir, part, recipe.source, used, eos_ids, encode_chat, recipe.corpus_root)
+        return
+    if sharegpt:
+        held_out_sharegpt(target, workdir, encode_chat, recipe.seq_len)
+    features.extract(target.model, sequences, workdir / _features_dir(recipe.source, recipe.seq_len))
+
+
+def _continued(target, recipe: HeadRecipe, full_rows) -> tuple[HeadNet, dict]:
+    """Stage 2's starting point from ``recipe.init_head``: the net and the card to go on, which
+    keeps the earlier head on record (its file and sha256, and the chain of heads before it) and
+    its command under ``command`` (what this run's is appended to)."""
+    init_head = Path(recipe.init_head)
+    net, card = init_net(init_head, target, full_rows, recipe.train.seed)
+    earlier_dtype, card["target_dtype"] = card.get("target_dtype"), target.model.dtype_name
+    beside = init_head.with_suffix(".json")  # the card written next to it: its command, full records
+    full = json.loads(beside.read_text()) if beside.exists() else {}
+    command = card.pop("command", None) or full.get("command")
+    card = {k: v for k, v in card.items() if k not in ("sha256", "bytes")}
+    earlier = card.pop("finetune", None)
+    if earlier is not None:
+        card["finetune_earlier"] = full.get("finetune", earlier)
+    card["init_head"] = {"file": init_head.name, "sha256": hashlib.sha256(init_head.read_bytes()).hexdigest(),
+                         "target_dtype": earlier_dtype} | (
+        {"earlier": card["init_head"]} if "init_head" in card else {})  # the whole chain of heads stays on record
+    card["command"] = command or f"(the command that made {init_head.name} was not recorded)"
+    return net, card
 
 
 def _write_head(out: Path, net: HeadNet, card: dict) -> None:
@@ -187,50 +130,29 @@ def _write_head(out: Path, net: HeadNet, card: dict) -> None:
     write_json(out.with_suffix(".json"), card)
 
 
-def _checkpoint(workdir: Path, stage: str, out: Path, layers: tuple[int, ...] = ()) -> Path:
+def _checkpoint(workdir: Path, stage: str, out: Path) -> Path:
     """A continuing stage's checkpoint, named after the head it writes: the stages of a chain (and
     a replay of earlier stages' answers) share one workdir, whose features they all read, while
     each resumes only its own run (``train`` refuses a checkpoint that another run started)."""
-    return workdir / f"{stage}-{out.stem}{_fused_suffix(layers)}.pt"
+    return workdir / f"{stage}-{out.stem}.pt"
 
 
-def _features_dir(source: str, seq_len: int, layers: tuple[int, ...] = ()) -> str:
-    return ("features" if source == "python-docs" else f"features-{source}-{seq_len}") + _fused_suffix(layers)
+def _features_dir(source: str, seq_len: int) -> str:
+    return "features" if source == "python-docs" else f"features-{source}-{seq_len}"
 
 
-def _features_read(layers: tuple[int, ...], num_layers: int) -> str:
-    """The card's words for what the head reads."""
-    if not layers:
-        return "the target's last block output"
-    return f"fused (EAGLE-3): the outputs of blocks {', '.join(map(str, layers))} and {num_layers - 1} (0-based)"
-
-
-def _fused_suffix(layers: tuple[int, ...]) -> str:
-    """What tells fused feature shards from the last block's in a work directory's names."""
-    return "".join(f"-{i}" for i in ("fused",) + layers) if layers else ""
-
-
-def init_net(init_head: Path, target: LoadedModel, full_rows, seed: int = 0,
-             layers: tuple[int, ...] | None = None) -> tuple[HeadNet, dict]:
-    """The head in ``init_head`` as a trainable net reading ``layers`` (None: the blocks it was made
-    for), and its card: a head that reads the last block's features alone, asked to read fused
-    ones, starts as the same function. ``full_rows`` [V, E]: the target's output rows.
-    The head must have been made for ``target``; another runtime dtype of it is a continuation
-    (its features differ by rounding, q4 against q4k, and the head learns the ones it will read;
-    the new card records the earlier dtype under ``init_head``)."""
+def init_net(init_head: Path, target: LoadedModel, full_rows, seed: int = 0) -> tuple[HeadNet, dict]:
+    """The head in ``init_head`` as a trainable net, and its card. ``full_rows`` [V, E]: the
+    target's output rows. The head must have been made for ``target``; another runtime dtype of
+    it is a continuation (its features differ by rounding, q4 against q4k, and the head learns the
+    ones it will read; the new card records the earlier dtype under ``init_head``)."""
     model = target.model
     head_cfg, state, vocab_ids, card = read_head(init_head)
-    layers = head_cfg.feature_layers if layers is None else layers
     if card.get("target") != target.name:
         raise ValueError(f"init_head {init_head} was trained for {card.get('target')}, not {target.name}")
     if head_cfg.target_vocab_size != model.vocab_size or head_cfg.hidden_size != model.cfg.hidden_size:
         raise ValueError(f"init_head {init_head} was trained for another target")
-    if head_cfg.feature_layers not in ((), layers):
-        raise ValueError(f"init_head {init_head} reads blocks {head_cfg.feature_layers}, not {layers}")
-    net = HeadNet(replace(head_cfg, feature_layers=layers), vocab_ids, model.embed, model.final_norm,
-                  full_rows[vocab_ids], seed)
-    if layers and not head_cfg.feature_layers:
-        state = state | net.fuse_as_last_only()
+    net = HeadNet(head_cfg, vocab_ids, model.embed, model.final_norm, full_rows[vocab_ids], seed)
     net.load_export(state)
     return net, card
 
@@ -253,20 +175,22 @@ def _build_corpus(target, source, max_tokens, seq_len, seed, root, encode_chat) 
     return data
 
 
-def _stage1(target, workdir, data, sequences, cfg, eos_ids, full_rows, stages, feature_dir, layers=()):
-    """Features of the corpus, the vocabulary subset, training and held-out evaluation; returns the
-    card so far, the head, the corpus dataset and its training ids."""
+def _stage1(target, recipe: HeadRecipe, workdir: Path, data, sequences, eos_ids, full_rows):
+    """Stage 1: features of the corpus, the vocabulary subset, training and held-out evaluation;
+    returns the card so far, the head, the corpus dataset and its training ids."""
+    cfg, stages = recipe.train, {}
+    feature_dir = workdir / _features_dir(recipe.source, recipe.seq_len)
     t = time.perf_counter()
-    features.extract(target.model, sequences, feature_dir, layers)
+    features.extract(target.model, sequences, feature_dir)
     stages["extract_seconds_this_run"] = round(time.perf_counter() - t, 1)
     shards = features.load_shards(feature_dir)[: (len(sequences) + features.SHARD - 1) // features.SHARD]
     dataset = Dataset(shards)
     train_ids, held_ids = split(len(dataset), cfg.held_out_every)
     model = target.model
     vocab_ids = vocab_subset([dataset.rows[i][0] for i in train_ids], cfg.vocab_size, eos_ids, model.vocab_size)
-    net = HeadNet(replace(head_config(model.cfg, cfg), feature_layers=layers), vocab_ids, model.embed, model.final_norm,
+    net = HeadNet(head_config(model.cfg, cfg), vocab_ids, model.embed, model.final_norm,
                   full_rows[vocab_ids], cfg.seed)
-    log = train(net, dataset, train_ids, cfg, workdir / f"checkpoint{_fused_suffix(layers)}.pt")
+    log = train(net, dataset, train_ids, cfg, workdir / "checkpoint.pt")
     write_json(workdir / "losses.json", log)
     t = time.perf_counter()
     scores = evaluate(net, dataset, held_ids, cfg.passes, full_rows)
@@ -297,8 +221,7 @@ def answer_header(encode_chat) -> list[int]:
     return with_prompt[len(without):]
 
 
-def held_out_sharegpt(target, workdir: Path, encode_chat, seq_len: int, tokens: int = 12_000,
-                      layers: tuple[int, ...] = ()) -> Dataset:
+def held_out_sharegpt(target, workdir: Path, encode_chat, seq_len: int, tokens: int = 12_000) -> Dataset:
     """Features of the held-out ShareGPT conversations (a split by conversation id: never trained
     on), about ``tokens`` of them; extracted once into the work directory. 12k tokens (~6k of them
     answers) put a standard error of ~0.006 on an acceptance rate, and cost ~7 minutes of one core
@@ -312,27 +235,27 @@ def held_out_sharegpt(target, workdir: Path, encode_chat, seq_len: int, tokens: 
         data = sharegpt.build(lambda msgs: encode_chat(msgs, add_generation_prompt=False), seq_len, tokens,
                               split="held_out")
         corpus.save(data, path)
-    directory = workdir / f"features-sharegpt-{seq_len}-held-out-{tokens}{_fused_suffix(layers)}"
-    features.extract(target.model, data["sequences"], directory, layers)
+    directory = workdir / f"features-sharegpt-{seq_len}-held-out-{tokens}"
+    features.extract(target.model, data["sequences"], directory)
     return Dataset(features.load_shards(directory))
 
 
-def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_rows, init_head, encode_chat, source,
-                        seq_len, out, layers=()) -> dict:
+def _finetune_on_corpus(target, recipe: HeadRecipe, workdir: Path, data, sequences, eos_ids, full_rows, encode_chat,
+                        out: Path) -> dict:
     """Stage 1 from an existing head (``init_head``, same target): train it further on the
     corpus's features (top-k labels, answers only when ``cfg.answers_only``), then evaluate the
     head before and after on held-out ShareGPT conversations; returns the card."""
-    model = target.model
-    net, old_card = init_net(init_head, target, full_rows, cfg.seed, layers)
-    feature_dir = workdir / _features_dir(source, seq_len, layers)
+    model, cfg, source, seq_len, init_head = target.model, recipe.train, recipe.source, recipe.seq_len, Path(recipe.init_head)
+    net, old_card = init_net(init_head, target, full_rows, cfg.seed)
+    feature_dir = workdir / _features_dir(source, seq_len)
     t = time.perf_counter()
-    features.extract(model, sequences, feature_dir, layers)
+    features.extract(model, sequences, feature_dir)
     extract_s = time.perf_counter() - t
     shards = features.load_shards(feature_dir)[: (len(sequences) + features.SHARD - 1) // features.SHARD]
     dataset = Dataset(shards)
     header = answer_header(encode_chat) if cfg.answers_only else None
     if source == "sharegpt":  # held out by conversation, never trained on
-        held, train_ids = held_out_sharegpt(target, workdir, encode_chat, seq_len, layers=layers), list(range(len(dataset)))
+        held, train_ids = held_out_sharegpt(target, workdir, encode_chat, seq_len), list(range(len(dataset)))
         held_ids = list(range(len(held)))
     else:
         held = dataset
@@ -340,7 +263,7 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
     # batch 1: the target's full-vocabulary p of a 1,024-token window is 0.6 GB in fp32 (batch 4
     # with its temporaries was killed for memory on a 24 GB machine)
     before = evaluate(net, held, held_ids, cfg.passes, full_rows, batch=1, answer_header=header, ends=eos_ids)
-    log = train(net, dataset, train_ids, cfg, _checkpoint(workdir, f"finetune-{source}-{seq_len}", out, layers),
+    log = train(net, dataset, train_ids, cfg, _checkpoint(workdir, f"finetune-{source}-{seq_len}", out),
                 answer_header=header, ends=eos_ids)
     write_json(workdir / f"losses-{source}-{seq_len}-{out.stem}.json", log)
     after = evaluate(net, held, held_ids, cfg.passes, full_rows, batch=1, answer_header=header, ends=eos_ids)
@@ -359,37 +282,18 @@ def _finetune_on_corpus(target, workdir, data, sequences, cfg, eos_ids, full_row
                           "answers_only": header is not None, "before": before, "after": after},
     }
     card["held_out"] = after
-    card["features"] = _features_read(layers, model.cfg.num_layers)
-    card["command"] = (f"specdec train-head --target {target.name} --dtype {model.dtype_name} --corpus {source} "
-                       f"--seq-len {seq_len} --sequences {len(sequences)} --init-head {init_head.name} "
-                       f"--steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr}"
-                       + _loss_options(cfg) + (" --fused-features" if layers else "")
-                       + f" --out {out.name}")
+    card["features"] = FEATURES_READ
+    card["command"] = recipe.command(target.name, model.dtype_name, out.name)
     _write_head(out, net, card)
     return card
 
 
-def _stage1_command(target, max_tokens, max_sequences, cfg) -> str:
-    return (f"specdec train-head --target {target.name} --dtype {target.model.dtype_name} --tokens {max_tokens}"
-            + (f" --sequences {max_sequences}" if max_sequences else "")
-            + f" --steps {cfg.steps} --batch {cfg.batch_sequences} --lr {cfg.lr} --vocab-size {cfg.vocab_size}"
-            f" --intermediate-size {cfg.intermediate_size} --passes {cfg.passes} --seed {cfg.seed}" + _loss_options(cfg))
-
-
-def _loss_options(cfg: TrainConfig) -> str:
-    """The command-line options of ``cfg``'s loss, as a card records them."""
-    return ((f" --label-top-k {cfg.label_top_k}" if cfg.label_top_k else "")
-            + (" --answers-only" if cfg.answers_only else "")
-            + (f" --chain-share {cfg.chain_share:g}" if cfg.chain_share != 1 else ""))
-
-
-def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int | range, eos_ids, encode_chat,
-                layers: tuple[int, ...] = ()) -> Dataset:
+def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int | range, eos_ids, encode_chat) -> Dataset:
     """The target's answers to ``prompts``, ``ANSWER_BATCH`` at a time (batch b answers
     ``prompts[16 b : 16 b + 16]``, greedy and T = 0.7 in turn), with its features recorded while it
     generates: one shard per batch in ``directory``, so an interrupted run resumes at the first
     missing batch. ``batches``: a count (batches 0 .. n - 1) or a range of batch indices."""
-    from specdec.sampling import SamplingParams
+    from specdec.verify.sampling import SamplingParams
 
     directory.mkdir(parents=True, exist_ok=True)
     room = target.model.cfg.max_position_embeddings
@@ -403,8 +307,7 @@ def own_answers(target, directory: Path, prompts: list[list[dict]], batches: int
             continue
         ids = [encode_chat(p)[-min(384, room // 2):] for p in group]  # a long prompt's end: the assistant's turn
         params = SamplingParams(temperature=ANSWER_TEMPERATURES[b % len(ANSWER_TEMPERATURES)])
-        rows = features.generate_with_features(target.model, ids, params, min(ANSWER_TOKENS, room // 2), eos_ids, seed=b,
-                                               layers=layers)
+        rows = features.generate_with_features(target.model, ids, params, min(ANSWER_TOKENS, room // 2), eos_ids, seed=b)
         features.write_shard(path, rows)
         made += sum(len(r[0]) for r in rows)
         cache.notice(f"own answers: batch {b + 1}/{batches.stop} in {directory.name} "
@@ -428,7 +331,7 @@ def answer_prompts(source: str, count: int, encode_chat, used_sources: set[str],
 
 
 def _answer_slice(target, workdir: Path, part: AnswerSlice, run_source: str, run_sources: set[str], eos_ids,
-                  encode_chat, corpus_root: Path | None, layers: tuple[int, ...]) -> Dataset:
+                  encode_chat, corpus_root: Path | None) -> Dataset:
     """The own answers ``part`` names, generated where missing. Python-docs requests come from
     chunks no corpus stage used: those of this run's corpus when it is python-docs, else every
     chunk of ``workdir``'s python-docs corpus (none when it has none)."""
@@ -442,16 +345,8 @@ def _answer_slice(target, workdir: Path, part: AnswerSlice, run_source: str, run
     if len(prompts) <= part.first * ANSWER_BATCH:
         raise ValueError(f"answers {part}: {part.source} gives {len(prompts)} requests here, fewer than batch "
                          f"{part.first} needs ({ANSWER_BATCH} per batch)")
-    return own_answers(target, own_answer_dir(workdir, part.source, layers), prompts, part.batches, eos_ids,
-                       encode_chat, layers)
-
-
-def _answers_option(answers: tuple[AnswerSlice, ...], source: str) -> str:
-    """The train-head option that names ``answers``: ``--answer-batches N`` for the run's own
-    source from batch 0, else ``--answers SLICE ...``."""
-    if len(answers) == 1 and answers[0].source == source and answers[0].first == 0:
-        return f"--answer-batches {answers[0].end}"
-    return "--answers " + " ".join(map(str, answers))
+    return own_answers(target, own_answer_dir(workdir, part.source), prompts, part.batches, eos_ids,
+                       encode_chat)
 
 
 _PROMPTS = {"sharegpt": "ShareGPT user turns", "python-docs": "requests derived from unused python-docs chunks",
@@ -461,44 +356,33 @@ NEW_VOCAB_FREQUENT_SHARE = 0.75  # chosen on held-out own answers (see vocab_sub
 HELD_OUT_ANSWER_BATCHES = 2  # 32 held-out ShareGPT requests, ~7k answer tokens: a standard error of ~0.006
 
 
-def held_out_own_answers(target, workdir: Path, encode_chat, eos_ids, layers: tuple[int, ...] = (),
+def held_out_own_answers(target, workdir: Path, encode_chat, eos_ids,
                          source: str = "sharegpt") -> Dataset:
     """The target's own answers to held-out ``source`` requests (from conversations never trained
     on): the text a head drafts at inference, so the evaluation closest to the bench's.
     "sharegpt-translate" gives its translations of held-out English paragraphs instead."""
     prompts = answer_prompts(source, HELD_OUT_ANSWER_BATCHES * ANSWER_BATCH, encode_chat, set(), None,
                              split="held_out")
-    return own_answers(target, workdir / f"own-answers-{source}-held-out{_fused_suffix(layers)}", prompts,
-                       HELD_OUT_ANSWER_BATCHES, eos_ids, encode_chat, layers)
+    return own_answers(target, workdir / f"own-answers-{source}-held-out", prompts,
+                       HELD_OUT_ANSWER_BATCHES, eos_ids, encode_chat)
 
 
-def own_answer_dir(workdir: Path, source: str, layers: tuple[int, ...] = ()) -> Path:
-    return workdir / (("own-answers" if source == "python-docs" else f"own-answers-{source}") + _fused_suffix(layers))
+def own_answer_dir(workdir: Path, source: str) -> Path:
+    return workdir / ("own-answers" if source == "python-docs" else f"own-answers-{source}")
 
 
-def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdir, used_sources, answers, steps,
-                             eos_ids, encode_chat, full_rows, corpus_root, source, checkpoint: Path, new_vocab_from=None,
-                             layers=(), widen_vocab: int = 0) -> dict:
-    """Stage 2: the target answers requests (``answers``, :class:`AnswerSlice`; greedy and T = 0.7
-    in turn, its features recorded while it generates), then the head is fine-tuned on those answers mixed
-    with as many corpus sequences (none when stage 1 ran earlier: ``corpus_data`` is empty), at a
-    third of the learning rate. Evaluated on held-out own answers: answers to held-out ShareGPT
-    conversations for ``source`` "sharegpt", else every 10th own answer. Training resumes from
-    ``checkpoint`` (:func:`_checkpoint`). ``widen_vocab``: first widen the drafted ids to that many
-    (:func:`widened_vocab`)."""
+def _finetune_on_own_answers(target, recipe: HeadRecipe, net, corpus_data, corpus_train, sequences, workdir,
+                             used_sources, eos_ids, encode_chat, full_rows, checkpoint: Path) -> dict:
+    """Stage 2: the target answers ``recipe.answers``' requests (:func:`_own_answer_data`), then
+    the head is fine-tuned on those answers mixed with as many corpus sequences (none when stage 1
+    ran earlier: ``corpus_data`` is empty), at a third of the learning rate, from ``checkpoint``
+    when one is there. ``new_vocab`` / ``widen_vocab`` first change the drafted ids
+    (:func:`_redraft`; ``sequences``: the corpus's, for ``new_vocab``). Evaluated on held-out own
+    answers before and after."""
+    cfg = recipe.train
     net.load_export({k: v.half() for k, v in net.export().items()})  # start from the stage-1 head as saved (fp16)
-    t = time.perf_counter()
-    own = Dataset([])
-    for part in answers:
-        own.rows += _answer_slice(target, workdir, part, source, used_sources, eos_ids, encode_chat, corpus_root,
-                                  layers).rows
-    if source == "sharegpt":
-        held = held_out_own_answers(target, workdir, encode_chat, eos_ids, layers)
-        own_train, own_held = list(range(len(own))), list(range(len(own), len(own) + len(held)))
-    else:
-        held = Dataset([])
-        own_train, own_held = split(len(own), 10)
-    generate_s = time.perf_counter() - t
+    own, held, own_train, own_held, generate_s = _own_answer_data(target, recipe, workdir, used_sources, eos_ids,
+                                                                  encode_chat)
     mixed = Dataset([])
     mixed.rows = own.rows + held.rows + corpus_data.rows
     offset = len(own.rows) + len(held.rows)
@@ -506,39 +390,65 @@ def _finetune_on_own_answers(target, net, corpus_data, corpus_train, cfg, workdi
     header = answer_header(encode_chat) if cfg.answers_only else None
     # scored: the target's own answer alone (a ShareGPT multi-turn request's context holds a human's
     # answer); with no header to find it by (answers_only off, python-docs prompts) every slot
-    scoring = header or (answer_header(encode_chat) if source == "sharegpt" else None)
+    scoring = header or (answer_header(encode_chat) if recipe.source == "sharegpt" else None)
     scored = {"batch": 1, "answer_header": scoring, "ends": eos_ids, "last_answer_only": scoring is not None}
     before = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
-    vocab_record = None
-    if new_vocab_from is not None:
-        rows = [own.rows[i][0] for i in own_train] + [torch.tensor(ids) for ids in new_vocab_from]
-        old_ids = net.vocab_ids
-        ids = vocab_subset(rows, old_ids.numel(), eos_ids, full_rows.shape[0], NEW_VOCAB_FREQUENT_SHARE)
-        net.set_vocab(ids, full_rows[ids])
-        vocab_record = {"size": ids.numel(), "frequent_share": NEW_VOCAB_FREQUENT_SHARE,
-                        "kept_from_before": int(torch.isin(ids, old_ids).sum()),
-                        "chosen_from_tokens": sum(int((r >= 0).sum()) for r in rows),
-                        "before_training": evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)}
-    if widen_vocab:
-        old_ids = net.vocab_ids
-        ids = widened_vocab(old_ids, [own.rows[i][0] for i in own_train], widen_vocab, full_rows.shape[0])
-        net.set_vocab(ids, full_rows[ids])
-        vocab_record = {"size": ids.numel(), "widened_from": old_ids.numel(),
-                        "before_training": evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)}
-    ft_cfg = TrainConfig(**{**asdict(cfg), "steps": steps, "lr": cfg.lr * 0.3, "warmup": 5, "seed": cfg.seed + 1,
-                            "checkpoint_every": 10})
+    vocab_record = _redraft(net, recipe, [own.rows[i][0] for i in own_train], sequences, eos_ids, full_rows)
+    if vocab_record is not None:
+        vocab_record["before_training"] = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
+    ft_cfg = replace(cfg, steps=recipe.finetune_steps, lr=cfg.lr * 0.3, warmup=5, seed=cfg.seed + 1, checkpoint_every=10)
     log = train(net, mixed, train_ids, ft_cfg, checkpoint, answer_header=header, ends=eos_ids)
     after = evaluate(net, mixed, own_held, cfg.passes, full_rows, **scored)
+    answers = recipe.answers
     record = {"own_answer_sequences": len(own), "own_answer_tokens": sum(r[0].shape[0] for r in own.rows),
-            "prompts": " and ".join(dict.fromkeys(_PROMPTS[part.source] for part in answers)),
-            "answers": [str(part) for part in answers],
-            "own_train": len(own_train), "own_held_out": len(own_held), "corpus_mixed_in": len(train_ids) - len(own_train),
-            "temperatures": _temperatures_used(answers), "answers_only": header is not None,
-            "steps": steps, "lr": ft_cfg.lr, "chain_share": ft_cfg.chain_share, "precision": precision(),
-            "seconds": round(log["seconds"], 1),
-            "generate_seconds_this_run": round(generate_s, 1),
-            "held_out_own_answers_before": before, "held_out_own_answers_after": after}
+              "prompts": " and ".join(dict.fromkeys(_PROMPTS[part.source] for part in answers)),
+              "answers": [str(part) for part in answers],
+              "own_train": len(own_train), "own_held_out": len(own_held), "corpus_mixed_in": len(train_ids) - len(own_train),
+              "temperatures": _temperatures_used(answers), "answers_only": header is not None,
+              "steps": recipe.finetune_steps, "lr": ft_cfg.lr, "chain_share": ft_cfg.chain_share,
+              "precision": precision(), "seconds": round(log["seconds"], 1),
+              "generate_seconds_this_run": round(generate_s, 1),
+              "held_out_own_answers_before": before, "held_out_own_answers_after": after}
     return record | ({"new_vocab": vocab_record} if vocab_record else {})
+
+
+def _own_answer_data(target, recipe: HeadRecipe, workdir: Path, used_sources, eos_ids, encode_chat):
+    """Stage 2's data: the own answers ``recipe.answers`` names (generated where missing: greedy
+    and T = 0.7 in turn, the features recorded while the target generates) and the held-out ones
+    (answers to held-out ShareGPT conversations for a "sharegpt" run, else every 10th own answer).
+    Returns (own, held, own train ids, held-out ids in own + held, seconds spent here)."""
+    t = time.perf_counter()
+    own = Dataset([])
+    for part in recipe.answers:
+        own.rows += _answer_slice(target, workdir, part, recipe.source, used_sources, eos_ids, encode_chat,
+                                  recipe.corpus_root).rows
+    if recipe.source == "sharegpt":
+        held = held_out_own_answers(target, workdir, encode_chat, eos_ids)
+        own_train, own_held = list(range(len(own))), list(range(len(own), len(own) + len(held)))
+    else:
+        held = Dataset([])
+        own_train, own_held = split(len(own), 10)
+    return own, held, own_train, own_held, time.perf_counter() - t
+
+
+def _redraft(net, recipe: HeadRecipe, own_rows: list[torch.Tensor], sequences, eos_ids, full_rows) -> dict | None:
+    """Change the ids ``net`` drafts as the recipe asks: ``new_vocab`` re-chooses as many from the
+    own answers and the corpus ``sequences``; ``widen_vocab`` keeps them all and adds more
+    (:func:`widened_vocab`). Returns what changed (None: nothing asked)."""
+    old_ids = net.vocab_ids
+    if recipe.new_vocab:
+        rows = own_rows + [torch.tensor(ids) for ids in sequences]
+        ids = vocab_subset(rows, old_ids.numel(), eos_ids, full_rows.shape[0], NEW_VOCAB_FREQUENT_SHARE)
+        record = {"size": ids.numel(), "frequent_share": NEW_VOCAB_FREQUENT_SHARE,
+                  "kept_from_before": int(torch.isin(ids, old_ids).sum()),
+                  "chosen_from_tokens": sum(int((r >= 0).sum()) for r in rows)}
+    elif recipe.widen_vocab:
+        ids = widened_vocab(old_ids, own_rows, recipe.widen_vocab, full_rows.shape[0])
+        record = {"size": ids.numel(), "widened_from": old_ids.numel()}
+    else:
+        return None
+    net.set_vocab(ids, full_rows[ids])
+    return record
 
 
 def widened_vocab(old_ids: torch.Tensor, token_rows: list[torch.Tensor], size: int, vocab: int) -> torch.Tensor:

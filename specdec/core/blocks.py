@@ -9,8 +9,8 @@ row (:attr:`depth`, :attr:`scored`). The engine calls these and never asks which
 
 Row kinds (:class:`RowKind`) are the three ways a row commits tokens; each is exact:
 greedy rows commit the target's argmax, rows with a seed the target's inverse-CDF draws at their
-own uniforms (:mod:`specdec.reproducible`), the others rejection sampling from the engine's
-stream (:mod:`specdec.verify`, :mod:`specdec.tree`).
+own uniforms (:mod:`specdec.verify.reproducible`), the others rejection sampling from the engine's
+stream (:mod:`specdec.verify`, :mod:`specdec.verify.tree`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from enum import Enum
 import torch
 
 from specdec.proposers.base import Proposal
-from specdec.reproducible import verify_chain_drawn, verify_tree_drawn
-from specdec.tree import TreeVerification, ancestor_mask, verify_tree_unchecked
-from specdec.verify import ChainVerification
+from specdec.verify.reproducible import verify_chain_drawn, verify_tree_drawn
+from specdec.verify.tree import TreeVerification, ancestor_mask, verify_tree_unchecked
+from specdec.verify.chain import ChainVerification
 
 
 class RowKind(Enum):
@@ -59,16 +59,15 @@ class ChainBlock:
     def fit(self, max_depth: int, controller) -> "ChainBlock":
         return self  # a chain is already at most k <= max_depth long
 
-    def score(self, target, cache, last: torch.Tensor, want_hidden: bool, hidden_layers: tuple[int, ...] = ()):
+    def score(self, target, cache, last: torch.Tensor, want_hidden: bool):
         """One target call -> logits ``[B, k+1, V]`` (and features ``[B, k+1, E]`` when
-        ``want_hidden``, else None; ``[B, k+1, G E]`` with ``hidden_layers``, see
-        :meth:`~specdec.runtime.model.Transformer.forward_embeds`)."""
+        ``want_hidden``, else None)."""
         block = torch.cat([last.unsqueeze(1), self.proposal.tokens], 1)  # [B, k+1]
-        out = target(block, cache, return_hidden=want_hidden, hidden_layers=hidden_layers)
+        out = target(block, cache, return_hidden=want_hidden)
         return out if want_hidden else (out, None)
 
     def verify_sampled(self, probs: torch.Tensor, generator: torch.Generator, verifier) -> ChainVerification:
-        """Rejection sampling of the chain (``verifier``: :func:`~specdec.verify.verify_chain`'s
+        """Rejection sampling of the chain (``verifier``: :func:`~specdec.verify.chain.verify_chain`'s
         signature; only exactness checks pass another one)."""
         return verifier(probs, self.proposal.probs, self.proposal.tokens, generator)
 
@@ -124,7 +123,7 @@ class TreeBlock:
             proposal = proposal.prune(controller.nodes(proposal))
         return TreeBlock(proposal)
 
-    def score(self, target, cache, last: torch.Tensor, want_hidden: bool, hidden_layers: tuple[int, ...] = ()):
+    def score(self, target, cache, last: torch.Tensor, want_hidden: bool):
         tokens, parents = self.proposal.tokens, self.proposal.parents  # [B, N]
         batch, n = tokens.shape
         mask = torch.zeros(batch, n + 1, n + 1, dtype=torch.bool)  # [B, N+1, N+1]
@@ -133,7 +132,7 @@ class TreeBlock:
         depth = torch.cat([torch.zeros(batch, 1, dtype=torch.long), self.proposal.node_depths], 1)  # [B, N+1]
         block = torch.cat([last.unsqueeze(1), tokens.clamp(min=0)], 1)  # [B, N+1]
         out = target(block, cache, tree_mask=mask, positions=cache.lengths.unsqueeze(1) + depth,
-                     return_hidden=want_hidden, hidden_layers=hidden_layers)
+                     return_hidden=want_hidden)
         return out if want_hidden else (out, None)
 
     def verify_sampled(self, probs: torch.Tensor, generator: torch.Generator, verifier) -> TreeVerification:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import sample
+from specdec.verify.sampling import sample
 
 __all__ = ["ChainVerification", "acceptance_probability", "check_probs", "residual_distribution", "verify_chain",
            "verify_chain_unchecked"]

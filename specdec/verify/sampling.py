@@ -170,7 +170,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 def sample_at(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """The inverse CDF of each row of ``probs`` ``[..., V]`` at the given ``uniforms`` ``[...]``
     (float64 in [0, 1)): :func:`sample` with its uniforms supplied (what reproducible sampling
-    uses, :mod:`specdec.reproducible`)."""
+    uses, :mod:`specdec.verify.reproducible`)."""
     flat = probs.reshape(-1, probs.shape[-1])
     cdf = flat.to(torch.float64).cumsum(-1)  # [N, V]
     total = cdf[:, -1:]  # [N, 1]

@@ -13,7 +13,7 @@ only, written into fresh rows of the shared cache: the others do not restart) an
 finish or are cancelled (rows compacted in place, the proposer told which rows remain). Rows of a
 step run in lockstep with one shared k; their acceptance is ragged. Because the runtime is batch
 invariant, a row's logits do not depend on the other rows, so greedy output does not either; a
-request with its own ``seed`` is sampled reproducibly (:mod:`specdec.reproducible`), so its
+request with its own ``seed`` is sampled reproducibly (:mod:`specdec.verify.reproducible`), so its
 sampled output does not depend on them either.
 
 :func:`generate` is the thin batch loop over the engine that the API, CLI and bench use.
@@ -29,111 +29,19 @@ from typing import Callable, Iterator
 
 import torch
 
-from specdec.adaptive import K_MAX, AdaptiveK, CallCosts, ShapeRace, TreeBudget, check_k
-from specdec.blocks import Block, ChainBlock, RowKind, block_of, row_kind
-from specdec.metrics import GenerationMetrics, Timings
-from specdec.prefix_cache import PrefixCache
+from specdec.core.adaptive import K_MAX, AdaptiveK, CallCosts, ShapeRace, TreeBudget, check_k
+from specdec.core.blocks import Block, ChainBlock, RowKind, block_of, row_kind
+from specdec.core.metrics import GenerationMetrics, Timings
+from specdec.core.prefill import common_prefix, prefill_groups
+from specdec.core.prefix_cache import PrefixCache
+from specdec.core.rows import MAX_SEED, Request, RowResult, RowState, commit_tokens
 from specdec.proposers.base import Proposer, no_drafts, tree_shape
 from specdec.runtime import elementwise
 from specdec.runtime.model import Transformer
-from specdec.sampling import SamplingMetadata, SamplingParams, probs_per_row, sample_at
-from specdec.reproducible import PositionUniforms
-from specdec.verify import ChainVerification, verify_chain_unchecked
+from specdec.verify.sampling import SamplingMetadata, SamplingParams, probs_per_row, sample_at
+from specdec.verify.reproducible import PositionUniforms
+from specdec.verify.chain import ChainVerification, verify_chain_unchecked
 
-MAX_SEED = 2**63 - 2  # the draft's generator gets seed + 1: both must fit a signed 64-bit integer
-
-
-@dataclass
-class RowResult:
-    """One request's output. ``metrics`` are this request's own (its acceptance, the target
-    calls it took part in, its TTFT and finish time); ``batch_metrics`` aggregate the whole
-    batch, including the time breakdown by phase."""
-
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = "length"  # "length", "eos", "stop", "cancelled" or "error"
-    error: str | None = None  # why the row failed (finish_reason "error"); the other rows go on
-    metrics: GenerationMetrics = field(default_factory=GenerationMetrics)
-    batch_metrics: GenerationMetrics | None = None
-
-
-PADDING_WASTE = 1.25  # a prefill group computes at most this many slots per prompt token
-
-
-def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:
-    """Contiguous groups ``[(a, b), ...]`` of rows sorted by ``lengths`` (longest first) for
-    right-padded prefill calls: a group grows while its padded size (rows x its first row's
-    length) stays within :data:`PADDING_WASTE` times its tokens. Equal lengths make one group;
-    a 500-token remainder and fifteen 30-token ones make two calls instead of one call of
-    8,000 slots for 950 tokens."""
-    groups, a = [], 0
-    while a < len(lengths):
-        b, tokens = a + 1, lengths[a]
-        while b < len(lengths) and (b + 1 - a) * lengths[a] <= PADDING_WASTE * (tokens + lengths[b]):
-            tokens += lengths[b]
-            b += 1
-        groups.append((a, b))
-        a = b
-    return groups
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` share from their start."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def commit_tokens(res: RowResult, ids: list[int], eos_token_ids, max_new_tokens: int) -> bool:
-    """Append a step's committed ``ids`` to one row, stopping at EOS (kept) or at
-    ``max_new_tokens``; returns whether the row goes on. (Stop strings are text: the session's,
-    :mod:`specdec.session`.)"""
-    for token in ids:
-        res.token_ids.append(token)
-        if token in eos_token_ids:
-            res.finish_reason = "eos"
-        if res.finish_reason != "length" or len(res.token_ids) >= max_new_tokens:
-            return False
-    return True
-
-
-@dataclass
-class Request:
-    """What a caller asks for: a prompt's token ids, how to sample, how many tokens at most.
-    ``seed``: sample this request reproducibly from its own generator (the same answer whatever
-    else runs; see :mod:`specdec.reproducible`); None: rejection sampling from the engine's stream."""
-
-    prompt: list[int]
-    params: SamplingParams
-    max_new_tokens: int
-    seed: int | None = None
-
-
-@dataclass(eq=False)  # rows are compared by identity (two requests may be alike)
-class RowState:
-    """One request in flight: its output so far, its randomness, its own metrics."""
-
-    request: Request
-    uniforms: PositionUniforms | None  # reproducible sampling (a request seed), else None
-    result: RowResult = field(default_factory=RowResult)
-    pending: list[int] = field(default_factory=list)  # committed ids the proposer has not seen yet
-    done: bool = False
-    added_at: float = field(default_factory=time.perf_counter)
-    # [n_i, E] pieces: the target's last-block features of every position whose KV the row
-    # committed, in order (prompt at prefill, then each step's fed token and accepted drafts).
-    # Kept only when the engine records features (Engine.keep_features).
-    features: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.result.token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        """None while running, else "length", "eos", "stop", "cancelled" or "error"."""
-        return self.result.finish_reason if self.done else None
 
 
 class PhaseTimer:
@@ -167,8 +75,18 @@ def kv_headroom(k: int | str, k_max: int) -> int:
 
 def kv_capacity(tokens: int, k: int | str, k_max: int) -> int:
     """KV slots per row for ``tokens`` (the longest prompt + max_new_tokens) at draft length ``k``
-    (an int or "auto") with ``k_max``: the one formula (callers: SpeculationConfig.capacity)."""
+    (an int or "auto") with ``k_max``: the one formula (callers: :func:`new_engine`, the reference step)."""
     return tokens + kv_headroom(k, k_max)
+
+
+def new_engine(target: Transformer, tokens: int, draft: Callable[[int], Proposer] | None = None, *,
+               k: int | str = 0, k_max: int = K_MAX, **options) -> "Engine":
+    """The one place engines are made (the API, :func:`generate`, head training's own answers):
+    rows of up to ``tokens`` (prompt + max_new_tokens) get :func:`kv_capacity` slots at ``k`` and
+    ``k_max``, and ``draft`` builds the proposer for that capacity (None: plain decoding).
+    ``options``: :class:`Engine`'s other keyword arguments."""
+    capacity = kv_capacity(tokens, k, k_max)
+    return Engine(target, None if draft is None else draft(capacity), capacity=capacity, k=k, k_max=k_max, **options)
 
 
 class Engine:
@@ -177,17 +95,16 @@ class Engine:
     ``capacity``: KV slots per row (:func:`kv_capacity` of prompt + max_new_tokens must fit;
     requests that do not are refused by :meth:`add`). ``max_batch``: rows decoded together (the others wait).
     ``record_features``: each row keeps the target's features of its positions (head training's
-    own answers); ``feature_layers``: they hold these blocks' outputs too (EAGLE-3's fused features;
-    a proposer that reads features brings its own).
+    own answers; the prefix cache keeps them too when the proposer reads features).
     ``k``: draft tokens per step, or "auto" (one :class:`AdaptiveK` / :class:`TreeBudget` per
     proposer source, from measured costs and acceptance). ``seed`` seeds the engine's own streams
     (rejection sampling of requests without a seed, and the proposer's draws). ``verifier`` has
-    :func:`~specdec.verify.verify_chain`'s signature; only exactness checks pass another one.
+    :func:`~specdec.verify.chain.verify_chain`'s signature; only exactness checks pass another one.
     """
 
     def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
                  k_max: int = K_MAX, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
-                 max_batch: int | None = None, record_features: bool = False, feature_layers: tuple[int, ...] = (),
+                 max_batch: int | None = None, record_features: bool = False,
                  prefix_cache: PrefixCache | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
@@ -216,11 +133,6 @@ class Engine:
         # them (a later request reusing a row's KV needs its features too)
         self.keep_features = record_features or (prefix_cache is not None and reads_features)
         self.want_hidden = self.keep_features or reads_features
-        # the blocks whose outputs the features hold besides the last one's (EAGLE-3 fusion)
-        self.hidden_layers = proposer.feature_layers if reads_features else tuple(feature_layers)
-        if feature_layers and (not record_features or tuple(feature_layers) != self.hidden_layers):
-            raise ValueError(f"feature_layers {feature_layers} applies to record_features, and must match what the "
-                             f"proposer reads ({self.hidden_layers})")
         self.g_verify = torch.Generator().manual_seed(seed)
         self.g_draft = torch.Generator().manual_seed(seed + 1)
         self.cache = target.new_cache(0, capacity)
@@ -398,8 +310,7 @@ class Engine:
             lengths = torch.tensor([len(r) for r in rest[a:b]])
             width = int(lengths[0])
             padded = torch.tensor([r + [0] * (width - len(r)) for r in rest[a:b]])  # [n, T]
-            out = self.target(padded, part, logit_index=(lengths - 1).unsqueeze(1), return_hidden=self.want_hidden,
-                              hidden_layers=self.hidden_layers)
+            out = self.target(padded, part, logit_index=(lengths - 1).unsqueeze(1), return_hidden=self.want_hidden)
             logits.append(out[0] if self.want_hidden else out)  # [n, 1, V]
             part.truncate(part.lengths - width + lengths)
             rows.set_lengths(a, part.lengths)
@@ -444,7 +355,7 @@ class Engine:
         block = self._propose(controller, tree, sampling)
         with self.timer.phase("target_forward"):
             before = self.cache.lengths.clone()
-            logits, hidden = block.score(self.target, self.cache, self.last, self.want_hidden, self.hidden_layers)
+            logits, hidden = block.score(self.target, self.cache, self.last, self.want_hidden)
         self.metrics.target_calls += 1
         with self.timer.phase("verification"):
             result = self._verify(self.rows, logits, block, sampling)
@@ -500,7 +411,7 @@ class Engine:
 
     def _verify(self, rows: list[RowState], logits: torch.Tensor, block: Block, sampling: SamplingMetadata):
         """``logits`` ``[B, k+1, V]`` (a tree: ``[B, N+1, V]``) -> the committed tokens, each row by
-        its :class:`~specdec.blocks.RowKind`: greedy rows commit the target's argmax, seeded rows
+        its :class:`~specdec.core.blocks.RowKind`: greedy rows commit the target's argmax, seeded rows
         the target's inverse-CDF draws at their own uniforms, the others go through rejection
         sampling from the engine's stream (the best acceptance of sampled drafts)."""
         if not elementwise.all_finite(logits):
@@ -589,7 +500,7 @@ def generate(
 ) -> list[RowResult]:
     """Generate up to ``max_new_tokens`` per prompt, all rows joining at once; exact target
     sampling whatever the proposer. A thin loop over :class:`Engine`, token ids in and out (text,
-    stop strings and streaming: :class:`specdec.session.Session`).
+    stop strings and streaming: :class:`specdec.text.session.Session`).
 
     ``k``: draft tokens per step, or ``"auto"``. ``seed``: the engine's streams; ``seeds`` (one
     per prompt, None for some): reproducible sampling for those rows.
@@ -601,8 +512,8 @@ def generate(
         raise ValueError(f"{len(seeds)} seeds for {batch} prompts")
     row_params = params if isinstance(params, list) else [params] * batch
     longest = max(len(p) for p in prompts)
-    engine = Engine(target, proposer, capacity=kv_capacity(longest + max_new_tokens, k, k_max), k=k,
-                    k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, verifier=verifier)
+    engine = new_engine(target, longest + max_new_tokens, None if proposer is None else lambda _: proposer, k=k,
+                        k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, verifier=verifier)
     rows = [engine.add(Request(p, row_params[i], max_new_tokens, None if seeds is None else seeds[i]))
             for i, p in enumerate(prompts)]
     for _ in steps(engine, rows):

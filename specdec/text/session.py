@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from specdec.detokenize import IncrementalDetokenizer, StopFinder
-from specdec.engine import Engine, Request, RowState, steps
-from specdec.metrics import GenerationMetrics
+from specdec.text.detokenize import IncrementalDetokenizer, StopFinder
+from specdec.core.engine import Engine, steps
+from specdec.core.rows import Request, RowState
+from specdec.core.metrics import GenerationMetrics
 
 
 class TextStream:

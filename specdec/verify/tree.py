@@ -27,7 +27,7 @@ removed from ``p``.
 
 Randomness: one uniform per node (``[B, N]``, drawn up front), used when that node is tried, then
 one uniform per row for the final token. A tree shaped like a path therefore consumes the
-generator exactly as :func:`specdec.verify.verify_chain` and gives bit-identical results.
+generator exactly as :func:`specdec.verify.chain.verify_chain` and gives bit-identical results.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import sample
-from specdec.verify import acceptance_probability, check_probs, residual_distribution
+from specdec.verify.sampling import sample
+from specdec.verify.chain import acceptance_probability, check_probs, residual_distribution
 
 __all__ = ["TreeVerification", "ancestor_mask", "children_table", "depths", "verify_tree", "verify_tree_unchecked"]
 
@@ -164,35 +164,7 @@ def verify_tree_unchecked(
     for depth in range(max_depth + 1):
         options = kids[rows, node + 1]  # [B, C]
         has_children = walking & (options[:, 0] >= 0)
-        accepted = torch.full((batch,), -1, dtype=torch.long)
-        for c in range(options.shape[1]):
-            child = options[:, c]  # [B]
-            trying = walking & (accepted < 0) & (child >= 0)
-            if not bool(trying.any()):
-                continue
-            r = trying.nonzero().squeeze(1)  # [R]
-            x = tokens[r, child[r]]  # [R]
-            p_x = p[r, x]
-            q_x = torch.ones_like(p_x) if q is None else q[r, x]
-            if bool((q_x <= 0).any()):
-                bad = int(r[(q_x <= 0).nonzero()[0, 0]])
-                raise ValueError(f"row {bad}: candidate {int(tokens[bad, child[bad]])} of node {int(child[bad])} "
-                                 "has zero probability under draft_probs")
-            ok = uniforms[r, child[r]] < acceptance_probability(p_x, q_x)  # [R]
-            accepted[r[ok]] = child[r[ok]]
-            rej, x_rej = r[~ok], x[~ok]
-            if rej.numel():
-                if q is None:  # one-hot q: the rejected token is removed from p
-                    q_rows = torch.zeros_like(p[rej])
-                    q_rows[torch.arange(rej.numel()), x_rej] = 1.0
-                else:
-                    q_rows = q[rej]
-                p[rej] = residual_distribution(p[rej], q_rows, residual_tolerance)
-                if q is not None and without_replacement:
-                    q_rows = q_rows.clone()
-                    q_rows[torch.arange(rej.numel()), x_rej] = 0.0
-                    mass = q_rows.sum(-1, keepdim=True)
-                    q[rej] = torch.where(mass > 0, q_rows / torch.where(mass > 0, mass, 1.0), q_rows)
+        accepted = _try_children(options, walking, tokens, uniforms, p, q, without_replacement, residual_tolerance)
         stop = walking & (accepted < 0)
         if bool(stop.any()):
             # all children rejected: p is already the residual; a leaf: the bonus, normalised
@@ -217,6 +189,50 @@ def verify_tree_unchecked(
     last = sample(finals, generator)  # [B]
     out_tokens[rows, num_accepted] = last
     return TreeVerification(num_accepted=num_accepted, tokens=out_tokens, path=path)
+
+
+def _try_children(options: torch.Tensor, walking: torch.Tensor, tokens: torch.Tensor, uniforms: torch.Tensor,
+                  p: torch.Tensor, q: torch.Tensor | None, without_replacement: bool, tolerance: float) -> torch.Tensor:
+    """One level of the walk: the children ``options`` ``[B, C]`` of each walking row's node are
+    tried in order, the first accepted wins; each rejection turns the row's ``p`` ``[B, V]`` (and
+    ``q``, for siblings drawn without replacement) into its residual, in place. Returns the
+    accepted child per row ``[B]`` (-1: none)."""
+    accepted = torch.full((options.shape[0],), -1, dtype=torch.long)
+    for c in range(options.shape[1]):
+        child = options[:, c]  # [B]
+        trying = walking & (accepted < 0) & (child >= 0)
+        if not bool(trying.any()):
+            continue
+        r = trying.nonzero().squeeze(1)  # [R]
+        x = tokens[r, child[r]]  # [R]
+        p_x = p[r, x]
+        q_x = torch.ones_like(p_x) if q is None else q[r, x]
+        if bool((q_x <= 0).any()):
+            bad = int(r[(q_x <= 0).nonzero()[0, 0]])
+            raise ValueError(f"row {bad}: candidate {int(tokens[bad, child[bad]])} of node {int(child[bad])} "
+                             "has zero probability under draft_probs")
+        ok = uniforms[r, child[r]] < acceptance_probability(p_x, q_x)  # [R]
+        accepted[r[ok]] = child[r[ok]]
+        if bool((~ok).any()):
+            _reject(p, q, r[~ok], x[~ok], without_replacement, tolerance)
+    return accepted
+
+
+def _reject(p: torch.Tensor, q: torch.Tensor | None, rows: torch.Tensor, x: torch.Tensor, without_replacement: bool,
+            tolerance: float) -> None:
+    """Candidate ``x`` ``[R]`` rejected in ``rows`` ``[R]``: p becomes the residual (p - q)+ there
+    (a one-hot q when ``q`` is None: x removed from p), and q, drawn without replacement, loses x."""
+    if q is None:  # one-hot q: the rejected token is removed from p
+        q_rows = torch.zeros_like(p[rows])
+        q_rows[torch.arange(rows.numel()), x] = 1.0
+    else:
+        q_rows = q[rows]
+    p[rows] = residual_distribution(p[rows], q_rows, tolerance)
+    if q is not None and without_replacement:
+        q_rows = q_rows.clone()
+        q_rows[torch.arange(rows.numel()), x] = 0.0
+        mass = q_rows.sum(-1, keepdim=True)
+        q[rows] = torch.where(mass > 0, q_rows / torch.where(mass > 0, mass, 1.0), q_rows)
 
 
 def children_table(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ server cannot promise "same seed, same answer" that way.
 
 Here each output position ``t`` of a request owns ONE uniform ``u_t``, the ``t``-th draw of the
 request's own ``torch.Generator``, and the token committed at ``t`` is always
-``F_p^{-1}(u_t)`` (:func:`specdec.sampling.sample_at`, the inverse CDF of the target's processed
+``F_p^{-1}(u_t)`` (:func:`specdec.verify.sampling.sample_at`, the inverse CDF of the target's processed
 distribution ``p`` at ``t``) — exactly what plain decoding with that generator commits.
 
 * Exact: ``u_t`` is drawn independently of everything before position ``t`` (the prefix depends
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.sampling import sample_at
-from specdec.tree import TreeVerification
-from specdec.verify import ChainVerification
+from specdec.verify.sampling import sample_at
+from specdec.verify.tree import TreeVerification
+from specdec.verify.chain import ChainVerification
 
 __all__ = ["PositionUniforms", "verify_chain_at", "verify_chain_drawn", "verify_tree_at", "verify_tree_drawn"]
 

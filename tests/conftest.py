@@ -36,6 +36,34 @@ def home(tmp_path, monkeypatch):
     return fresh_home(tmp_path, monkeypatch)
 
 
+@pytest.fixture(scope="module")
+def pair():
+    """An int8 tiny target and a draft that agrees with it often, but not always (the target's
+    weights perturbed by 1%)."""
+    from tiny_models import hf_tiny, ours, perturbed
+
+    return ours(hf_tiny("qwen2", seed=0), "int8"), ours(perturbed(hf_tiny("qwen2", seed=0), 0.01, seed=1), "int8")
+
+
+@pytest.fixture(scope="module")
+def unrelated_pair():
+    """An int8 tiny target and an unrelated one-layer draft over its vocabulary: many rejections,
+    so the residual path runs often."""
+    from tiny_models import hf_tiny, ours
+
+    return ours(hf_tiny("qwen2", seed=0), "int8"), ours(hf_tiny("qwen2", seed=5, layers=1), "int8")
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """A target over a 6-id vocabulary and an unrelated one-layer draft: joint laws of a few
+    tokens are small enough to test exactly."""
+    from tiny_models import V_SMALL, hf_tiny, ours
+
+    target = ours(hf_tiny("llama", vocab=V_SMALL, seed=3), "int8")
+    return target, ours(hf_tiny("llama", vocab=V_SMALL, seed=4, layers=1), "int8")
+
+
 @pytest.fixture
 def always_trees(monkeypatch):
     """Trees whatever the rows sample: the engine's shape choice patched so that a tree proposer

@@ -34,8 +34,9 @@ def test_report_tables_greedy_check_and_plots(tmp_path):
     runs[2]["metrics"]["acceptance"].update(reached_per_position=[4, 3, 1], accepted_per_position=[3, 1, 0])
     text = report.write_report({"runs": runs, "environment": {
         "date": "x", "target": "t", "draft": "d", "dtype": "int8", "max_new_tokens": 3, "torch": "x",
-        "transformers": "x", "cores": 2}}, plots.write_plots(runs, tmp_path))
+        "transformers": "x", "cores": 2, "cpu": "Some CPU (avx2 fma)"}}, plots.write_plots(runs, tmp_path))
     assert "| ngram | 2.50x | 2.50x |" in text  # 25 / 10
+    assert "2 threads on Some CPU (avx2 fma)." in text
     assert "draft_auto / code #0: differs from its plain decoding at token 1" in text
     assert "specdec speculative: 1 of 4 greedy runs differ from `plain` (3 identical):" in text
     assert "transformers assisted / prompt-lookup: all 1 greedy runs are token-identical to `hf_plain`." in text

@@ -17,17 +17,6 @@ from stats import ALPHA, chi_square_pvalue
 from tiny_models import GREEDY, N_SAMPLES, PARAMS, PROMPT, PROMPTS, V_SMALL, hf_tiny, law_joint, ours, perturbed
 
 
-
-
-
-@pytest.fixture(scope="module")
-def pair():
-    """An int8 target and a draft that agrees with it often, but not always."""
-    target = ours(hf_tiny("qwen2", seed=0), "int8")
-    draft = ours(perturbed(hf_tiny("qwen2", seed=0), 0.01, seed=1), "int8")
-    return target, draft
-
-
 def _spec(target, draft, prompts, params, max_new, k, seed=0, **kw):
     """``k`` an int or "auto" (then up to 8 draft tokens)."""
     proposer = DraftModelProposer(draft, max(len(p) for p in prompts) + max_new + (8 if k == "auto" else k) + 2)
@@ -149,16 +138,6 @@ def test_non_finite_logits_are_reported(pair, monkeypatch):
 
 
 # ---- exact sampling: joint law of the first three generated tokens ---------------------------
-
-
-
-@pytest.fixture(scope="module")
-def small_pair():
-    target = ours(hf_tiny("llama", vocab=V_SMALL, seed=3), "int8")
-    draft = ours(hf_tiny("llama", vocab=V_SMALL, seed=4, layers=1), "int8")  # an unrelated model
-    return target, draft
-
-
 
 
 def _sampled_joint_counts(target, draft, k) -> tuple[torch.Tensor, float]:

@@ -7,39 +7,31 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 import specdec.verify.chain as verify_module
 from specdec.cli import main
 from specdec.exactness import exact_joint_law, verify_deployment
 from specdec.proposers import DraftModelProposer
 from specdec.verify.sampling import SamplingParams
-from tiny_models import hf_tiny, ours, save_hf_dir
+from tiny_models import hf_tiny, save_hf_dir
 from conftest import fresh_home
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10]]
 
 
-@pytest.fixture(scope="module")
-def pair():
-    target = ours(hf_tiny("qwen2", seed=0), "int8")
-    draft = ours(hf_tiny("qwen2", seed=5, layers=1), "int8")  # unrelated: many rejections
-    return target, draft
-
-
-def _check(pair, **kw):
-    target, draft = pair
+def _check(unrelated_pair, **kw):
+    target, draft = unrelated_pair
     return verify_deployment(target, lambda capacity: DraftModelProposer(draft, capacity), "draft", PROMPTS,
                              k=2, samples=1000, greedy_tokens=12, **kw)
 
 
-def test_exact_law_sums_to_one_over_top_k_cells(pair):
-    law = exact_joint_law(pair[0], PROMPTS[0], SamplingParams(temperature=0.8, top_k=3), 3)
+def test_exact_law_sums_to_one_over_top_k_cells(unrelated_pair):
+    law = exact_joint_law(unrelated_pair[0], PROMPTS[0], SamplingParams(temperature=0.8, top_k=3), 3)
     assert len(law) == 27 and abs(sum(law.values()) - 1) < 1e-6  # fp32 conditionals
 
 
-def test_a_correct_engine_is_shown_exact_and_its_control_rejected(pair):
-    report = _check(pair)
+def test_a_correct_engine_is_shown_exact_and_its_control_rejected(unrelated_pair):
+    report = _check(unrelated_pair)
     assert report.greedy_identical == len(PROMPTS)
     assert report.law.p_value >= report.alpha
     assert report.law.drafted > 0 and report.law.accepted < report.law.drafted
@@ -48,9 +40,9 @@ def test_a_correct_engine_is_shown_exact_and_its_control_rejected(pair):
     assert report.verdict == "exact"
 
 
-def test_a_broken_verifier_is_reported_not_exact(pair, monkeypatch):
+def test_a_broken_verifier_is_reported_not_exact(unrelated_pair, monkeypatch):
     monkeypatch.setattr(verify_module, "residual_distribution", lambda p, q, tolerance=1e-6: p)
-    report = _check(pair)
+    report = _check(unrelated_pair)
     assert report.law.p_value < report.alpha
     assert report.verdict == "NOT exact"
 

@@ -10,7 +10,7 @@ from specdec.core.engine import generate
 from specdec.proposers import DraftModelProposer, HybridProposer, NgramProposer, SuffixProposer
 from specdec.proposers.ngram import NgramIndex
 from stats import ALPHA, chi_square_pvalue
-from tiny_models import GREEDY, N_SAMPLES, PARAMS, PROMPT, PROMPTS, V_SMALL, draft_step, hf_tiny, law_joint, ours, perturbed
+from tiny_models import GREEDY, N_SAMPLES, PARAMS, PROMPT, PROMPTS, V_SMALL, draft_step, hf_tiny, law_joint, ours
 
 
 def test_ngram_index_finds_latest_longest_match():
@@ -48,13 +48,6 @@ def _make(kind, target, draft, capacity):
         return DraftModelProposer(draft.with_output_rows(draft.embed[ids].float()), capacity,
                                   vocab_ids=ids, vocab_size=draft.vocab_size)
     return DraftModelProposer(draft, capacity)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    target = ours(hf_tiny("qwen2", seed=0), "int8")
-    draft = ours(perturbed(hf_tiny("qwen2", seed=0), 0.01, seed=1), "int8")
-    return target, draft
 
 
 REPETITIVE = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 1, 2, 3, 1], [4, 4, 4, 4], [9, 3, 9, 3, 9]]

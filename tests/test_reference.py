@@ -22,16 +22,10 @@ from specdec.proposers.ngram import NgramProposer
 from specdec.proposers.suffix import SuffixProposer
 from specdec.verify.chain import ChainVerification
 from specdec.verify.sampling import SamplingParams
-from tiny_models import GREEDY, PROMPTS, hf_tiny, ours, perturbed, tiny_head
+from tiny_models import GREEDY, PROMPTS, tiny_head
 
 SAMPLED = SamplingParams(temperature=0.9, top_k=20)
 K, NEW = 3, 40
-
-
-@pytest.fixture(scope="module")
-def pair():
-    hf = hf_tiny("qwen2", seed=0)
-    return ours(hf, "int8"), ours(perturbed(hf, 0.01, seed=1), "int8")
 
 
 def _proposers(target, draft):

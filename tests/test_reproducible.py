@@ -22,16 +22,9 @@ from specdec.verify.reproducible import PositionUniforms, verify_chain_at, verif
 from specdec.verify.sampling import SamplingParams, sample, sample_at
 from specdec.verify.tree import depths
 from stats import ALPHA, chi_square_pvalue
-from tiny_models import exact_joint, hf_tiny, ours
+from tiny_models import exact_joint
 
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    target = ours(hf_tiny("qwen2", seed=0), "int8")
-    draft = ours(hf_tiny("qwen2", seed=5, layers=1), "int8")  # an unrelated draft: many rejections
-    return target, draft
 
 
 def test_sample_at_is_sample_with_its_uniforms():
@@ -93,8 +86,8 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 5, 6, 7, 5], [9, 3, 1, 4, 1, 5, 9, 2, 6]]
 
 @pytest.mark.parametrize("kind, k", [("draft", 1), ("draft", 4), ("draft", "auto"), ("ngram", 3), ("suffix", 6), ("suffix", "auto"),
                                      ("suffix-tree", 6), ("suffix-tree", "auto")])
-def test_seeded_speculation_equals_seeded_plain_decoding(pair, kind, k, request):
-    target, draft = pair
+def test_seeded_speculation_equals_seeded_plain_decoding(unrelated_pair, kind, k, request):
+    target, draft = unrelated_pair
     if kind == "suffix-tree":
         request.getfixturevalue("always_trees")  # trees although every row samples
     params = [SAMPLED, SamplingParams(0.7, top_k=10), SamplingParams(1.2, min_p=0.02)]
@@ -110,9 +103,9 @@ def test_seeded_speculation_equals_seeded_plain_decoding(pair, kind, k, request)
     assert [mixed[2], mixed[3], mixed[0]] == plain
 
 
-def test_seeded_rows_joining_a_running_batch(pair):
+def test_seeded_rows_joining_a_running_batch(unrelated_pair):
     """Requests that join while others are mid-answer get the answers they get alone."""
-    target, draft = pair
+    target, draft = unrelated_pair
     requests = [Request(p, SAMPLED, 25, seed=s) for p, s in zip(PROMPTS, [1, 2, 3])] + [Request([7, 7, 7], SAMPLED, 40, None)]
     alone = [_seeded(target, [r.prompt], [r.params], r.max_new_tokens, [r.seed])[0] for r in requests[:3]]
     engine = Engine(target, DraftModelProposer(draft, 80), capacity=80, k="auto", max_batch=3)
@@ -126,8 +119,8 @@ def test_seeded_rows_joining_a_running_batch(pair):
     assert [r.token_ids for r in rows[1:]] == alone
 
 
-def test_cancel_frees_the_row_and_the_rest_go_on(pair):
-    target, _ = pair
+def test_cancel_frees_the_row_and_the_rest_go_on(unrelated_pair):
+    target, _ = unrelated_pair
     greedy = SamplingParams(0.0)
     alone = _seeded(target, [PROMPTS[1]], [greedy], 20, [None])[0]
     engine = Engine(target, NgramProposer(), capacity=64, k=2)
@@ -145,13 +138,6 @@ V_SMALL = 6
 N_SAMPLES = 100_000
 LAW_PARAMS = SamplingParams(temperature=0.7, top_k=5)
 PROMPT = [1, 4, 2]
-
-
-@pytest.fixture(scope="module")
-def small_pair():
-    target = ours(hf_tiny("llama", vocab=V_SMALL, seed=3), "int8")
-    draft = ours(hf_tiny("llama", vocab=V_SMALL, seed=4, layers=1), "int8")
-    return target, draft
 
 
 def _law_counts(target, draft) -> tuple[torch.Tensor, float]:

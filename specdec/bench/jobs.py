@@ -53,6 +53,7 @@ from specdec.bench import llama_server, llamacpp, openvino, vllm_server
 from specdec.bench.plots import write_plots
 from specdec.bench.report import write_report
 from specdec.proposers.suffix import SuffixHistory
+from specdec.runtime.native import cpu_name
 from specdec.verify.sampling import SamplingParams
 from specdec.speculation import METHODS
 
@@ -245,7 +246,7 @@ def run_bench(out: Path, methods: list[str], temperatures: list[float], prompts_
                 "specdec": llamacpp.specdec_block_costs(bench.gen.target.model, prefix, block),
                 "prefix_tokens": len(prefix)}
     runs = [done[(j[0], j[1], j[2], j[4])] for j in jobs if (j[0], j[1], j[2], j[4]) in done]
-    env = {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads(),
+    env = {"cpu": cpu_name(), "cores": torch.get_num_threads(),
            "python": platform.python_version(), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "dtype": dtype, "target": target,
            "draft": draft, "max_new_tokens": max_new_tokens, "stop_at_eos": not ignore_eos, "k": k, "k_max": k_max,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
@@ -42,6 +41,7 @@ from specdec.bench.prompts import CODE_PROMPTS
 from specdec.core.engine import generate
 from specdec.models import registry
 from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES
+from specdec.runtime.native import cpu_name
 from specdec.verify.sampling import SamplingParams
 
 
@@ -202,7 +202,7 @@ def versus_llamacpp(target: str, tokens: int, runs: int, threads: int) -> dict:
     full = llamacpp.open_file(gguf, threads, 2048, logits_all=True)
     quality["llama.cpp"] = agreement(lambda ids, plen: llamacpp.teacher_forced_logits(full, ids, plen), references)
     return {"target": target, "gguf": str(gguf), "tokens": tokens, "prompts": runs, "threads": threads,
-            "cpu": _cpu_name(), "tok_s": {k: statistics.median(v) for k, v in rates.items()},
+            "cpu": cpu_name(), "tok_s": {k: statistics.median(v) for k, v in rates.items()},
             "tok_s_runs": rates, "forward_s": scaling, "quality_vs_fp32": quality}
 
 
@@ -218,17 +218,6 @@ def print_versus_llamacpp(r: dict) -> None:
         label = "llama.cpp" if key == "llama.cpp" else f"specdec --dtype {key}"
         print(f"| {label} | {what} | {r['tok_s'][key]:.1f} | {r['tok_s'][key] / base:.2f}x | "
               f"{sc[2] / sc[1]:.2f} / {sc[5] / sc[1]:.2f} / {sc[9] / sc[1]:.2f} | {q['argmax_agreement']:.1%} | {q['mean_tv']:.3f} |")
-
-
-def _cpu_name() -> str:
-    """The CPU's model name and vector ISA flags (every figure names its CPU)."""
-    try:
-        lines = open("/proc/cpuinfo").read().splitlines()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(key)), "")  # noqa: E731
-    isa = [f for f in field("flags").split() if f.startswith(("avx", "amx", "fma", "f16c"))]
-    return f"{field('model name')} ({' '.join(isa)})"
 
 
 def runtime_vs_transformers(target: str, dtype: str, tokens: int, runs: int, out: str | None) -> None:
@@ -262,7 +251,7 @@ def runtime_vs_transformers(target: str, dtype: str, tokens: int, runs: int, out
         with open(out, "w") as f:
             json.dump({"target": gen.target.name, "dtype": dtype, "tokens": tokens,
                        "ours_tok_s": ours_tps, "hf_tok_s": hf_tps, "forward_s": scaling,
-                       "same_tokens": same, "torch": torch.__version__, "cpu": platform.processor()}, f, indent=1)
+                       "same_tokens": same, "torch": torch.__version__, "cpu": cpu_name()}, f, indent=1)
 
 
 GEMM = [0.0, 0]  # seconds, calls

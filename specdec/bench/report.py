@@ -102,11 +102,12 @@ def write_report(results: dict, plots: list[Path]) -> str:
     methods = list(dict.fromkeys(r["method"] for r in runs))
     categories = list(dict.fromkeys(r["category"] for r in runs))
     temps = sorted({r["temperature"] for r in runs})
+    threads = f"{env['cores']} threads" + (f" on {env['cpu']}" if env.get("cpu") else "")  # (older runs: no CPU)
     lines = [f"# specdec bench report ({env['date']})", "",
              f"Target `{env['target']}`, draft `{env['draft']}`, dtype {env['dtype']}, "
              + (f"answers up to {env['max_new_tokens']} tokens, ending at the end of the model's turn"
                 if env.get("stop_at_eos") else f"{env['max_new_tokens']} new tokens per prompt (past the end of the answer: --ignore-eos)")
-             + f", torch {env['torch']}, transformers {env['transformers']}, {env['cores']} threads. "
+             + f", torch {env['torch']}, transformers {env['transformers']}, {threads}. "
              "Speed-up = end-to-end tokens/s (prefill included) over the baseline on the same prompt; median over "
              "the category's prompts.", ""]
     for baseline in ("plain", "hf_plain"):

@@ -16,7 +16,9 @@ invariant, a row's logits do not depend on the other rows, so greedy output does
 request with its own ``seed`` is sampled reproducibly (:mod:`specdec.verify.reproducible`), so its
 sampled output does not depend on them either.
 
-:func:`generate` is the thin batch loop over the engine that the API, CLI and bench use.
+:func:`generate` is the thin batch loop over the engine that the API, CLI and bench use;
+:func:`new_engine` is where engines are made. The same step for one row, top to bottom in one
+function, is :func:`specdec.core.reference.reference_generate`: read it first.
 """
 
 from __future__ import annotations

@@ -50,6 +50,20 @@ KERNEL_SOURCES = {
 }
 
 
+def cpu_name() -> str:
+    """This CPU's model name and vector ISA flags (every figure names its CPU), from
+    /proc/cpuinfo; elsewhere the platform's processor string."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(key)), "")  # noqa: E731
+    isa = [f for f in field("flags").split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+    return f"{field('model name')} ({' '.join(isa)})"
+
+
 def has_avx2() -> bool:
     """Whether this CPU can run the 4-bit kernels (AVX2 or better)."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")

@@ -23,7 +23,7 @@ import json
 import statistics
 from pathlib import Path
 
-from specdec.training.head_eval import cpu_name
+from specdec.runtime.native import cpu_name
 
 from specdec import cache
 from specdec.training.run import card_markdown

@@ -24,25 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 from specdec.api import TextGenerator
 from specdec.models import heads, registry
 from specdec.runtime.linear import DEFAULT_DTYPE
+from specdec.runtime.native import cpu_name
 from specdec.training.run import answer_header, default_workdir, held_out_own_answers, held_out_sharegpt, init_net
-
-
-def cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    isa = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "avx_vnni", "fma", "f16c")]
-    return f"{model} ({' '.join(sorted(isa))})"
 
 
 def main() -> None:

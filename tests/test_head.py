@@ -227,19 +227,22 @@ def test_recorded_features_are_each_committed_position_once_while_speculating(tr
     """A speculating engine that records features keeps those of exactly the kept positions, in
     order (a chain's accepted prefix; a tree's root and accepted path), whatever was rejected."""
     from specdec.core.engine import Engine, kv_capacity, steps
+    from specdec.core.recorder import FeatureRecorder
     from specdec.core.rows import Request
 
     _, int8, net, _, _ = trained
     head = _runtime(net, int8, "int8")
     proposer = _head_proposer(net, int8) if kind == "chain" else HeadTreeProposer(head, 128, width=3, depth=4)
-    engine = Engine(int8, proposer, capacity=kv_capacity(60, 6, 9), k=6, record_features=True)
+    engine = Engine(int8, proposer, capacity=kv_capacity(60, 6, 9), k=6)
+    recorder = FeatureRecorder()
+    engine.attach(recorder)
     rows = [engine.add(Request(p, GREEDY, 40)) for p in ([1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6])]
     for _ in steps(engine, rows):
         pass
     assert engine.metrics.acceptance.accepted > 0
     for row in rows:
         ids = row.request.prompt + row.token_ids[:-1]  # the last token is never fed
-        torch.testing.assert_close(torch.cat(row.features), features.prefill_features(int8, ids), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(recorder.features(row), features.prefill_features(int8, ids), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])

@@ -208,3 +208,34 @@ def test_requests_joining_together_prefill_their_common_prefix_once(params):
     warm, warm_cached = run(prefix)
     assert warm == cold and cold_cached == [0] * 16
     assert sorted(warm_cached) == [0] + [64] * 15  # prefilled: 73 + 15 x 9 tokens instead of 16 x 73
+
+
+def test_recorders_attach_before_rows_join_and_the_prefix_cache_keeps_no_finished_row(pair):
+    """A recorder attached to an engine gets each row's features (prompt, then every committed
+    position but the last), the same as a second recorder; one attached once rows are in the
+    batch is refused. The engine's own recorder (prefix cache + a proposer reading features)
+    drops a row's features once the row has left (they live on in the prefix cache)."""
+    from specdec.core.recorder import FeatureRecorder
+    from specdec.training import features
+    from tiny_models import tiny_head
+
+    target, _ = pair
+    head = tiny_head(target, 97, seed=0)
+    engine = Engine(target, HeadProposer(head, 64), capacity=kv_capacity(40, 3, 9), k=3,
+                    prefix_cache=PrefixCache(2**30, block=4))
+    first, second = FeatureRecorder(), FeatureRecorder()
+    engine.attach(first)
+    engine.attach(second)
+    rows = [engine.add(Request(p, GREEDY, 12)) for p in ([1, 2, 3, 4, 5, 6], [7, 8, 9])]
+    engine.step()
+    with pytest.raises(ValueError, match="before any request joins"):
+        engine.attach(FeatureRecorder())
+    for _ in steps(engine, rows):
+        pass
+    engine.step()  # (the finished rows leave)
+    for row in rows:
+        ids = row.request.prompt + row.token_ids[:-1]
+        torch.testing.assert_close(first.features(row), features.prefill_features(target, ids), atol=1e-4, rtol=1e-4)
+        assert torch.equal(first.features(row), second.features(row))
+        with pytest.raises(KeyError):
+            engine._cached_features.features(row)

@@ -36,6 +36,7 @@ from specdec.core.blocks import Block, ChainBlock, RowKind, block_of, row_kind
 from specdec.core.metrics import GenerationMetrics, Timings
 from specdec.core.prefill import common_prefix, prefill_groups
 from specdec.core.prefix_cache import PrefixCache
+from specdec.core.recorder import FeatureRecorder
 from specdec.core.rows import MAX_SEED, Request, RowResult, RowState, commit_tokens
 from specdec.proposers.base import Proposer, no_drafts, tree_shape
 from specdec.runtime import elementwise
@@ -96,8 +97,8 @@ class Engine:
 
     ``capacity``: KV slots per row (:func:`kv_capacity` of prompt + max_new_tokens must fit;
     requests that do not are refused by :meth:`add`). ``max_batch``: rows decoded together (the others wait).
-    ``record_features``: each row keeps the target's features of its positions (head training's
-    own answers; the prefix cache keeps them too when the proposer reads features).
+    A :class:`~specdec.core.recorder.FeatureRecorder` attached by :meth:`attach` is given the
+    target's features of every row's committed positions (head training reads its own answers').
     ``k``: draft tokens per step, or "auto" (one :class:`AdaptiveK` / :class:`TreeBudget` per
     proposer source, from measured costs and acceptance). ``seed`` seeds the engine's own streams
     (rejection sampling of requests without a seed, and the proposer's draws). ``verifier`` has
@@ -106,8 +107,7 @@ class Engine:
 
     def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
                  k_max: int = K_MAX, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
-                 max_batch: int | None = None, record_features: bool = False,
-                 prefix_cache: PrefixCache | None = None,
+                 max_batch: int | None = None, prefix_cache: PrefixCache | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
         # What a target call costs by the positions it scores is one fact about the machine, not
@@ -130,11 +130,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.context_len = min(target.cfg.max_position_embeddings, capacity)
         self.prefix = prefix_cache
-        reads_features = proposer is not None and proposer.wants_target_hidden
-        # rows keep their features when asked, or for the prefix cache when the proposer reads
-        # them (a later request reusing a row's KV needs its features too)
-        self.keep_features = record_features or (prefix_cache is not None and reads_features)
-        self.want_hidden = self.keep_features or reads_features
+        self.want_hidden = proposer is not None and proposer.wants_target_hidden
         self.g_verify = torch.Generator().manual_seed(seed)
         self.g_draft = torch.Generator().manual_seed(seed + 1)
         self.cache = target.new_cache(0, capacity)
@@ -143,6 +139,12 @@ class Engine:
         self.last = torch.zeros(0, dtype=torch.long)  # [B] committed tokens whose KV is not yet in the cache
         self.metrics = GenerationMetrics(requests=0)  # all rows together, with the time by phase
         self.timer = PhaseTimer(self.metrics.timings)
+        self.recorders: list[FeatureRecorder] = []
+        # the prefix cache keeps the features of a finished row's KV when the proposer reads them
+        self._cached_features = None
+        if prefix_cache is not None and self.want_hidden:
+            self._cached_features = FeatureRecorder(forget_finished=True)
+            self.attach(self._cached_features)
 
     # -- requests in and out ------------------------------------------------------------------
 
@@ -184,6 +186,14 @@ class Engine:
         if row in self.waiting:
             self.waiting.remove(row)
 
+    def attach(self, recorder: FeatureRecorder) -> None:
+        """Give ``recorder`` the target's features of every row that joins from now on (the
+        target then returns its features with every call)."""
+        if self.rows:
+            raise ValueError("attach a recorder before any request joins the batch")
+        self.recorders.append(recorder)
+        self.want_hidden = True
+
     @property
     def busy(self) -> bool:
         return bool(self.rows or self.waiting)
@@ -209,6 +219,11 @@ class Engine:
         with self.timer.phase("cache"):
             if self.prefix is not None:
                 self._store_finished([i for i, r in enumerate(self.rows) if r.done])
+            for recorder in self.recorders:
+                if recorder.forget_finished:
+                    for row in self.rows:
+                        if row.done:
+                            recorder.forget(row)
             self.rows = [self.rows[i] for i in keep]
             self.last = self.last[keep]
             self.cache.retain(keep)
@@ -225,7 +240,7 @@ class Engine:
                 continue
             ids = row.request.prompt + row.token_ids
             n = min(int(self.cache.lengths[i]), len(ids))
-            hidden = torch.cat(row.features)[:n] if self.keep_features else None
+            hidden = None if self._cached_features is None else self._cached_features.features(row)[:n]
             self.prefix.insert(ids[:n], self.cache, i, hidden)
 
     def _join(self) -> list[RowState]:
@@ -327,8 +342,8 @@ class Engine:
                 hidden[i, :m] = PrefixCache.hidden_of(chain[: m // block])
             if self.prefix is not None:
                 self.prefix.insert(prompts[i], rows, i, None if hidden is None else hidden[i, : len(prompts[i])])
-            if self.keep_features:
-                joining[i].features = [hidden[i, : len(prompts[i])]]
+            for recorder in self.recorders:
+                recorder.prefilled(joining[i], hidden[i, : len(prompts[i])])
         return joining, torch.cat(logits), hidden, len(groups)
 
     def _fit_reuse(self, prompts: list[list[int]], reused: list[int]) -> list[int]:
@@ -462,8 +477,8 @@ class Engine:
 
     def _record(self, block: Block, result, hidden: torch.Tensor | None) -> None:
         """Per-row acceptance bookkeeping (one tolist per quantity, no per-row tensor ops), the
-        commit of each row's tokens, and (when kept) the features of the positions whose KV was
-        kept (``hidden`` ``[B, k+1, E]``: the fed token's, then the accepted path's)."""
+        commit of each row's tokens, and for each recorder the features of the positions whose KV
+        was kept (``hidden`` ``[B, k+1, E]``: the fed token's, then the accepted path's)."""
         depth, accepted, scored = block.depth, result.num_accepted.tolist(), block.scored
         committed = result.tokens.tolist()
         for i, row in enumerate(self.rows):
@@ -473,8 +488,8 @@ class Engine:
                 continue
             metrics.acceptance.record(depth[i], accepted[i], scored[i])
             self.metrics.acceptance.record(depth[i], accepted[i], scored[i])
-            if self.keep_features:
-                row.features.append(hidden[i, : accepted[i] + 1])
+            for recorder in self.recorders:
+                recorder.committed(row, hidden[i, : accepted[i] + 1])
             self._commit(row, committed[i][: accepted[i] + 1])
 
     def _commit(self, row: RowState, ids: list[int]) -> None:

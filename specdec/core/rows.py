@@ -7,8 +7,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from specdec.core.metrics import GenerationMetrics
 from specdec.verify.reproducible import PositionUniforms
 from specdec.verify.sampling import SamplingParams
@@ -64,10 +62,6 @@ class RowState:
     pending: list[int] = field(default_factory=list)  # committed ids the proposer has not seen yet
     done: bool = False
     added_at: float = field(default_factory=time.perf_counter)
-    # [n_i, E] pieces: the target's last-block features of every position whose KV the row
-    # committed, in order (prompt at prefill, then each step's fed token and accepted drafts).
-    # Kept only when the engine records features (Engine.keep_features).
-    features: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

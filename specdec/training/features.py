@@ -70,17 +70,20 @@ def generate_with_features(target: Transformer, prompts: list[list[int]], params
     """The target's own answers to ``prompts`` with its features at every position of prompt and
     answer but the last (whose feature is never computed): ``[(ids, hidden [len(ids) - 1, E])]``."""
     from specdec.core.engine import new_engine, steps
+    from specdec.core.recorder import FeatureRecorder
     from specdec.core.rows import Request
 
     engine = new_engine(target, max(map(len, prompts)) + max_new_tokens, k_max=0, eos_token_ids=eos_token_ids,
-                        seed=seed, record_features=True)
+                        seed=seed)
+    recorder = FeatureRecorder()
+    engine.attach(recorder)
     rows = [engine.add(Request(p, params, max_new_tokens)) for p in prompts]
     for _ in steps(engine, rows):
         pass
     out = []
     for prompt, row in zip(prompts, rows):
         ids = prompt + row.token_ids
-        hidden = torch.cat(row.features)  # [len(ids) - 1, E]: the last token is never fed, so has no feature
+        hidden = recorder.features(row)  # [len(ids) - 1, E]: the last token is never fed, so has no feature
         out.append((ids[: hidden.shape[0]], hidden))
     return out
 

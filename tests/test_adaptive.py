@@ -199,9 +199,9 @@ def test_shape_race_counts_chains_drafted_for_sampled_rows_as_chains():
 class _SlowPrefill(DraftModelProposer):
     """A draft model whose prompt prefill (``add``, run when a request joins) takes 0.3 s more."""
 
-    def add(self, *args, **kwargs) -> None:
+    def add(self, *args, **kwargs) -> list:
         time.sleep(0.3)
-        super().add(*args, **kwargs)
+        return super().add(*args, **kwargs)
 
 
 def test_the_engine_keeps_a_joining_requests_prefill_out_of_the_draft_cost():

@@ -256,21 +256,20 @@ def test_head_cache_rollback_equals_fresh_computation(trained, params):
     cache = int8.new_cache(1, 64)
     _, hidden = int8(torch.tensor([prompt]), cache, return_hidden=True)
     proposer = _head_proposer(net, int8)
-    proposer.add([prompt], target_hidden=hidden)
-    drafts = draft_step(proposer, [[7]], 4, params, g()).tokens[0].tolist()
+    states = proposer.add([prompt], target_hidden=hidden)
+    drafts = draft_step(proposer, states, [[7]], 4, params, g()).tokens[0].tolist()
     block = [7] + drafts
     _, block_hidden = int8(torch.tensor([block]), cache, return_hidden=True)
     accepted = 2
-    proposer.observe(torch.tensor([accepted]), target_hidden=block_hidden)
+    proposer.observe(states, torch.tensor([accepted]), target_hidden=block_hidden)
     committed = drafts[:accepted] + [31]  # accepted drafts, then a replacement token
-    after = draft_step(proposer, [committed], 3, params, g())  # the same random state as the fresh proposer's below
+    after = draft_step(proposer, states, [committed], 3, params, g())  # the same random state as the fresh proposer's below
 
     text = prompt + [7] + drafts[:accepted]
     fresh_cache = int8.new_cache(1, 64)
     _, fresh_hidden = int8(torch.tensor([text]), fresh_cache, return_hidden=True)
     fresh = _head_proposer(net, int8)
-    fresh.add([text], target_hidden=fresh_hidden)
-    expected = draft_step(fresh, [[31]], 3, params, g())
+    expected = draft_step(fresh, fresh.add([text], target_hidden=fresh_hidden), [[31]], 3, params, g())
     assert torch.equal(after.tokens, expected.tokens)
     if params.greedy:
         assert after.probs is None and expected.probs is None
@@ -283,8 +282,7 @@ def test_ids_outside_the_subset_are_never_drafted(fp32_target):
     proposer = _head_proposer(net, fp32_target)
     prompt = [1, 2, 3]
     _, hidden = fp32_target(torch.tensor([prompt]), fp32_target.new_cache(1, 8), return_hidden=True)
-    proposer.add([prompt], target_hidden=hidden)
-    out = draft_step(proposer, [[4]], 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    out = draft_step(proposer, proposer.add([prompt], target_hidden=hidden), [[4]], 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
     outside = torch.ones(fp32_target.vocab_size, dtype=torch.bool)
     outside[net.vocab_ids] = False
     assert torch.all(out.probs[..., outside] == 0)
@@ -299,8 +297,7 @@ def test_sampling_over_the_subset_draws_what_the_full_q_would(fp32_target):
     proposer = _head_proposer(net, fp32_target)
     prompts = [[1, 2, 3], [7, 3, 9]]
     _, hidden = fp32_target(torch.tensor(prompts), fp32_target.new_cache(2, 8), return_hidden=True)
-    proposer.add(prompts, target_hidden=hidden)
-    out = draft_step(proposer, [[4], [5]], 4, SamplingParams(temperature=1.3), torch.Generator().manual_seed(5))
+    out = draft_step(proposer, proposer.add(prompts, target_hidden=hidden), [[4], [5]], 4, SamplingParams(temperature=1.3), torch.Generator().manual_seed(5))
     g = torch.Generator().manual_seed(5)
     expected = torch.stack([sample(out.probs[:, i], g) for i in range(4)], 1)  # one uniform per row per draft
     assert torch.equal(out.tokens, expected)
@@ -724,9 +721,9 @@ class _RecordingCut(HeadProposer):
         super().__init__(*args, **kwargs)
         self.steps = []
 
-    def propose(self, k, tree, sampling):
+    def propose(self, states, k, tree, sampling):
         self.steps.append({"k": k, "conf": []})
-        proposal = super().propose(k, tree, sampling)
+        proposal = super().propose(states, k, tree, sampling)
         self.steps[-1]["size"], self.steps[-1]["declined"] = proposal.size, proposal.declined
         return proposal
 

@@ -90,8 +90,8 @@ class _Logged:
         self.inner, self.log = inner, []
         self.tree_mode, self.wants_target_hidden = inner.tree_mode, inner.wants_target_hidden
 
-    def propose(self, k, tree, sampling):
-        proposal = self.inner.propose(k, tree, sampling)
+    def propose(self, states, k, tree, sampling):
+        proposal = self.inner.propose(states, k, tree, sampling)
         self.log.append(proposal.tokens.tolist())
         return proposal
 

@@ -27,8 +27,8 @@ def test_ngram_index_finds_latest_longest_match():
 
 def test_ngram_proposer_pads_rows_without_match():
     p = NgramProposer(2, 2)
-    p.add([[1, 2, 5, 1, 2], [7, 8, 9]])
-    proposal = draft_step(p, [[], []], 3)
+    states = p.add([[1, 2, 5, 1, 2], [7, 8, 9]])
+    proposal = draft_step(p, states, [[], []], 3)
     assert proposal.probs is None
     assert proposal.tokens.tolist() == [[5, 1, 2], [9, 9, 9]]
 
@@ -67,8 +67,8 @@ def test_greedy_identity_for_every_proposer(pair, kind, k):
 def test_pruned_draft_never_drafts_ids_outside_its_subset(pair):
     target, draft = pair
     proposer = _make("pruned", target, draft, 64)
-    proposer.add([[1, 2, 3]])
-    proposal = draft_step(proposer, [[4]], 4, PARAMS, torch.Generator().manual_seed(0))
+    states = proposer.add([[1, 2, 3]])
+    proposal = draft_step(proposer, states, [[4]], 4, PARAMS, torch.Generator().manual_seed(0))
     assert proposal.probs.shape[-1] == draft.vocab_size
     assert bool((proposal.probs[..., -1] == 0).all()) and bool((proposal.tokens < draft.vocab_size - 1).all())
     assert torch.allclose(proposal.probs.sum(-1), torch.ones(1, 4))

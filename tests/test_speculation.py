@@ -59,33 +59,37 @@ def test_what_each_config_uses():
     assert "train-head" in resolve(None, draft=False, head=False).describe()
 
 
+class LastToken:
+    """One row's state: its last committed token."""
+
+    def __init__(self, token):
+        self.token = token
+
+
 class RepeatProposer:
     """CONTRIBUTING.md's worked example, verbatim: k copies of each row's last token."""
 
     tree_mode = "chains"
     wants_target_hidden = False
 
-    def __init__(self):
-        self.last: list[int] = []
-
     def add(self, prompts, target_hidden=None):
-        self.last += [p[-1] for p in prompts]
+        return [LastToken(p[-1]) for p in prompts]  # each new row's state: the row keeps it
 
-    def feed(self, pending):
-        for row, ids in enumerate(pending):  # the tokens committed since the last step
+    def feed(self, states, pending):
+        for row, ids in zip(states, pending):  # the tokens committed since the last step
             if ids:
-                self.last[row] = ids[-1]
+                row.token = ids[-1]
         return "default"
 
-    def propose(self, k, tree, sampling):
-        tokens = torch.tensor([[t] * k for t in self.last], dtype=torch.long)  # [B, k]
+    def propose(self, states, k, tree, sampling):
+        tokens = torch.tensor([[row.token] * k for row in states], dtype=torch.long)  # [B, k]
         return Proposal(tokens=tokens, probs=None)  # probs None: deterministic drafts
 
-    def observe(self, num_accepted, target_hidden=None):
+    def observe(self, states, num_accepted, target_hidden=None):
         pass
 
-    def retain(self, rows):
-        self.last = [self.last[i] for i in rows]
+    def retain(self, rows, left):
+        pass  # nothing batched (a draft model would compact its KV cache here)
 
 
 def test_a_new_method_is_one_table_entry(tmp_path, monkeypatch):

@@ -46,8 +46,8 @@ def _law_counts(monkeypatch=None, uniform_q=False):
     if uniform_q:  # a wrong verifier input: the one-hot drafts claimed to be drawn from a uniform q
         propose = proposer.propose
 
-        def claimed(pending, k, tree=False):
-            out = propose(pending, k, tree)
+        def claimed(states, k, tree, sampling):
+            out = propose(states, k, tree, sampling)
             return Proposal(out.tokens, torch.full((*out.tokens.shape, V_SMALL), 1.0 / V_SMALL))
 
         monkeypatch.setattr(proposer, "propose", claimed)

@@ -153,8 +153,8 @@ def test_suffix_best_path_follows_the_most_frequent_children():
     assert best_path([1, 2, 3, 4], [-1, 0, 0, 1], [1.0, 0.25, 0.75, 0.25]) == [1, 3]
     assert best_path([], [], []) == []
     proposer = SuffixProposer(min_match=1)
-    proposer.add([[5, 6, 7, 5, 6, 8, 5, 6, 7, 5]])
-    chain = draft_step(proposer, [[]], 3, SamplingParams(temperature=0.9), torch.Generator())
+    states = proposer.add([[5, 6, 7, 5, 6, 8, 5, 6, 7, 5]])
+    chain = draft_step(proposer, states, [[]], 3, SamplingParams(temperature=0.9), torch.Generator())
     assert not chain.is_tree and chain.tokens.tolist() == [[6, 8, 5]]  # after the longest earlier match "5 6 7 5"
 
 
@@ -177,10 +177,8 @@ def test_head_tree_candidates_are_the_heads_own_best_guesses(target):
     hidden = target(torch.tensor(prompt), target.new_cache(1, 32), return_hidden=True)[1]
     tree = HeadTreeProposer(head, 32, width=3, depth=3, min_score=0.0)  # (an untrained head is unsure)
     chain = HeadProposer(head, 32)
-    for p in (tree, chain):
-        p.add(prompt, target_hidden=hidden)
-    t = draft_step(tree, [[7]], 9, tree=True)
-    c = draft_step(chain, [[7]], 3)
+    t = draft_step(tree, tree.add(prompt, target_hidden=hidden), [[7]], 9, tree=True)
+    c = draft_step(chain, chain.add(prompt, target_hidden=hidden), [[7]], 3)
     roots = t.tokens[0][t.parents[0] == -1]
     assert c.tokens[0, 0] == roots[0]
     assert roots.numel() == 3
@@ -286,10 +284,26 @@ def test_suffix_history_is_bounded_and_never_matches_across_outputs():
 
 
 # -- the suffix proposer's copy cursor, re-entry points and learned replacements -------------------
+class _OneRow:
+    """A suffix proposer with one row, called as the engine calls it (the row's state kept here)."""
+
+    def __init__(self, prompt, **options):
+        self.proposer = SuffixProposer(**options)
+        self.states = self.proposer.add([prompt])
+
+    @property
+    def row(self):
+        return self.states[0]
+
+    def feed(self, pending):
+        self.proposer.feed(self.states, pending)
+
+    def lookup(self, k):
+        return self.proposer.lookup(self.states, k)
+
+
 def _copy_proposer(prompt):
-    proposer = SuffixProposer()
-    proposer.add([prompt])
-    return proposer
+    return _OneRow(prompt)
 
 
 def _best(proposal) -> list[int]:
@@ -303,8 +317,7 @@ def test_suffix_proposer_follows_the_copy_it_is_making():
     and the latest would win a lookup; the copy's cursor knows the text continues with 60."""
     seg = list(range(1, 11))
     source = [50] + seg + [60] + [51] + seg + [61] + [99]
-    lookup_only = SuffixProposer()
-    lookup_only.add([source + seg])
+    lookup_only = _OneRow(source + seg)
     assert _best(lookup_only.lookup(1)) == [61]
     proposer = _copy_proposer(source + [50, 1])
     proposer.feed([[]])
@@ -326,12 +339,12 @@ def test_suffix_proposer_reenters_the_source_after_a_replacement_and_learns_it()
     reentry = proposer.lookup(8)
     assert 13 in reentry.tokens[0].tolist()  # source position 4: one token skipped
     proposer.feed([[13, 14]])  # the text is back at the source: 50 -> 60 61 learned
-    assert proposer.rows[0].rules == {(50,): (60, 61)}
+    assert proposer.row.rules == {(50,): (60, 61)}
     tree = proposer.lookup(16)
     assert _best(tree)[:6] == [15, 16, 17, 60, 61, 18]
     assert 50 in tree.tokens[0].tolist()  # the unreplaced copy as an alternative
     proposer.feed([[15, 16, 17, 50]])  # this time the source stayed: the rule is dropped
-    assert proposer.rows[0].rules == {}
+    assert proposer.row.rules == {}
     assert _best(proposer.lookup(3)) == [18, 19, 20]
 
 

@@ -187,15 +187,15 @@ def perturbed(hf, scale: float, seed: int):
     return hf
 
 
-def draft_step(proposer, pending, k, params=None, generator=None, tree=False):
+def draft_step(proposer, states, pending, k, params=None, generator=None, tree=False):
     """One drafting step of a proposer outside an engine, as the engine runs it: ``feed`` the
-    committed ids, then ``propose`` under one :class:`SamplingParams` for every row (greedy by
-    default) and the draft stream ``generator``."""
+    rows' ``states`` (from ``add``) the committed ids, then ``propose`` under one
+    :class:`SamplingParams` for every row (greedy by default) and the draft stream ``generator``."""
     from specdec.verify.sampling import SamplingMetadata, SamplingParams
 
-    proposer.feed(pending)
+    proposer.feed(states, pending)
     params = SamplingParams(temperature=0.0) if params is None else params
-    return proposer.propose(k, tree, SamplingMetadata([params] * len(pending), generator))
+    return proposer.propose(states, k, tree, SamplingMetadata([params] * len(pending), generator))
 
 
 def tiny_head(target, vocab: int, seed: int):

@@ -224,11 +224,12 @@ class Engine:
                     for row in self.rows:
                         if row.done:
                             recorder.forget(row)
+            left = [r.draft for r in self.rows if r.done]
             self.rows = [self.rows[i] for i in keep]
             self.last = self.last[keep]
             self.cache.retain(keep)
             if self.proposer is not None:  # (also when none is left: a proposer may keep finished outputs)
-                self.proposer.retain(keep)
+                self.proposer.retain(keep, left)
 
     def _store_finished(self, index: list[int]) -> None:
         """Put the prompt and output KV of finished rows (not failed ones) into the prefix cache:
@@ -281,7 +282,11 @@ class Engine:
             first = self._verify(joining, logits, ChainBlock(no_drafts(len(joining))), sampling)
         if self.proposer is not None:
             with self.timer.phase("draft"):
-                self.proposer.add([r.request.prompt for r in joining], target_hidden=hidden)
+                states = self.proposer.add([r.request.prompt for r in joining], target_hidden=hidden)
+            if len(states) != len(joining):
+                raise ValueError(f"the proposer returned {len(states)} row states for {len(joining)} rows")
+            for row, state in zip(joining, states):
+                row.draft = state
         if not self.metrics.timings.ttft:
             self.metrics.timings.ttft = sum(self.timer.step.values())
         self.rows += joining
@@ -365,11 +370,12 @@ class Engine:
         # requests spent "draft" time on their proposer prefill (``add``) and "verification"
         # time on their first tokens, which say nothing about the cost of a draft token.
         mark = dict(self.timer.step)
+        drafts = [r.draft for r in self.rows]  # the proposer's row states, in batch order
         if self.proposer is not None:
             with self.timer.phase("draft"):
-                self._source = self.proposer.feed([r.pending for r in self.rows])
+                self._source = self.proposer.feed(drafts, [r.pending for r in self.rows])
         controller, tree = self._controller(sampling)
-        block = self._propose(controller, tree, sampling)
+        block = self._propose(drafts, controller, tree, sampling)
         with self.timer.phase("target_forward"):
             before = self.cache.lengths.clone()
             logits, hidden = block.score(self.target, self.cache, self.last, self.want_hidden)
@@ -380,7 +386,7 @@ class Engine:
             self.last, hidden = block.commit_kv(self.cache, before, result, hidden)
         if self.proposer is not None:
             with self.timer.phase("draft"):
-                self.proposer.observe(result.num_accepted, target_hidden=hidden)
+                self.proposer.observe(drafts, result.num_accepted, target_hidden=hidden)
         if controller is not None:
             t = self.timer.since(mark)
             controller.observe_step(block.proposal, result, t.get("draft", 0.0), t["target_forward"] + t["verification"],
@@ -407,7 +413,7 @@ class Engine:
                                      else AdaptiveK(k_max=self.k_max, verify_cost=self.call_costs))
         return self.controllers[key], tree
 
-    def _propose(self, controller, tree: bool, sampling: SamplingMetadata) -> Block:
+    def _propose(self, drafts: list, controller, tree: bool, sampling: SamplingMetadata) -> Block:
         """The drafts of this step: a chain of at most k tokens per row (one token fewer than the
         longest row still needs), or a tree of at most k nodes that deep; none without a proposer."""
         batch = len(self.rows)
@@ -421,7 +427,7 @@ class Engine:
         k = controller.choose(batch) if controller is not None else self.k
         k = min(k, room) if tree else min(k, depth_cap)
         with self.timer.phase("draft"):
-            proposal = self.proposer.propose(k, tree, sampling)
+            proposal = self.proposer.propose(drafts, k, tree, sampling)
             if proposal.size > k:
                 raise ValueError(f"the proposer returned {proposal.size} tokens, more than k={k}")
             return block_of(proposal).fit(depth_cap, controller)

@@ -39,7 +39,7 @@ def reference_generate(target: Transformer, proposer: Proposer | None, prompt: l
     first = verify_chain(probs_from_logits(logits, params), None, torch.zeros(1, 0, dtype=torch.long), g_verify)
     committed = first.tokens[0, :1].tolist()
     if proposer is not None:
-        proposer.add([prompt], target_hidden=hidden)
+        states = proposer.add([prompt], target_hidden=hidden)  # the row's own proposer state
     out_ids: list[int] = []
     while _commit(out_ids, committed, eos, max_new_tokens):
         last = torch.tensor([[committed[-1]]])  # [1, 1]: committed, its KV not yet in the cache
@@ -47,8 +47,8 @@ def reference_generate(target: Transformer, proposer: Proposer | None, prompt: l
         depth = min(k, max_new_tokens - len(out_ids) - 1, context - 1 - int(cache.lengths[0]))
         drafts, q = torch.zeros(1, 0, dtype=torch.long), None  # [1, k], [1, k, V] or None (deterministic)
         if proposer is not None:
-            proposer.feed([committed])
-            proposal = proposer.propose(depth, False, SamplingMetadata([params], g_draft))
+            proposer.feed(states, [committed])
+            proposal = proposer.propose(states, depth, False, SamplingMetadata([params], g_draft))
             drafts, q = proposal.tokens, proposal.probs
         # ONE target call scores every draft and gives the bonus position
         before = cache.lengths.clone()
@@ -61,7 +61,7 @@ def reference_generate(target: Transformer, proposer: Proposer | None, prompt: l
         cache.truncate(before + 1 + accepted)
         committed = result.tokens[0, : accepted + 1].tolist()
         if proposer is not None:  # observe: the proposer learns what the target accepted
-            proposer.observe(result.num_accepted, target_hidden=hidden)  # (it reads the first accepted + 1)
+            proposer.observe(states, result.num_accepted, target_hidden=hidden)  # (it reads the first accepted + 1)
     return out_ids
 
 

@@ -54,12 +54,15 @@ class Request:
 
 @dataclass(eq=False)  # rows are compared by identity (two requests may be alike)
 class RowState:
-    """One request in flight: its output so far, its randomness, its own metrics."""
+    """One request in flight: its request and sampling params, its randomness, its proposer's
+    state of it, its output so far and its own metrics."""
 
     request: Request
     uniforms: PositionUniforms | None  # reproducible sampling (a request seed), else None
     result: RowResult = field(default_factory=RowResult)
     pending: list[int] = field(default_factory=list)  # committed ids the proposer has not seen yet
+    # The proposer's own state of this row (from Proposer.add; the engine hands it back, never reads it)
+    draft: object = None
     done: bool = False
     added_at: float = field(default_factory=time.perf_counter)
 

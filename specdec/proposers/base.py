@@ -1,8 +1,9 @@
 """The Proposer protocol: suggest up to k tokens per row, then learn what was committed.
 
-A proposer owns whatever state it needs (a draft model's KV cache, an n-gram index) and keeps it
-in step with the committed text through ``observe``. The engine never touches that state. Rows
-join (``add``) and leave (``retain``) between steps.
+A proposer keeps each row's state (an n-gram index, unfed tokens) in an object of its own that
+the row carries, and its batched state (a draft model's KV cache) itself; it keeps both in step
+with the committed text through ``feed`` and ``observe``. The engine never looks into either.
+Rows join (``add``) and leave (``retain``) between steps.
 """
 
 from __future__ import annotations
@@ -146,6 +147,12 @@ TreeMode = Literal["chains", "trees"]
 
 
 class Proposer(Protocol):
+    """Each row's own state (a lookup index, the tokens a draft model has not fed yet) lives in
+    the row: ``add`` returns one state object per new row, the engine keeps it in the row
+    (:class:`~specdec.core.rows.RowState`'s ``draft``) and hands the batch's states back, in batch
+    order, to every call (``states``). What is batched across rows (a draft's KV cache) stays in
+    the proposer and is compacted by ``retain``."""
+
     # Whether the proposer reads the target's features (a draft head): the engine then passes the
     # last block's output of the prefill to ``add`` and of each verified block to ``observe``.
     wants_target_hidden: bool
@@ -153,42 +160,43 @@ class Proposer(Protocol):
     # to ``propose``.
     tree_mode: TreeMode
 
-    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> list:
         """New rows join at the end of the batch (continuous batching; the first call starts
         it): ``prompts`` are the token ids already in each new row's context; ``target_hidden``
-        ``[N, L, E]`` their target features when ``wants_target_hidden``."""
+        ``[N, L, E]`` their target features when ``wants_target_hidden``. Returns each new row's state."""
 
-    def feed(self, pending: list[list[int]]) -> str:
+    def feed(self, states: list, pending: list[list[int]]) -> str:
         """Take the tokens each row committed since the last ``feed`` (the first call: the first
         generated token). The engine calls it once per decoding step, before ``propose``; a
         proposer that drafts from a model may hold them until its next forward. Returns which
         source the coming ``propose`` uses ("default" for a single one): adaptive k keeps one
         controller per source."""
 
-    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+    def propose(self, states: list, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         """Propose ``k`` tokens per row: a chain, or with ``tree`` a tree of at most ``k`` nodes
         (the engine passes ``tree`` only to a proposer whose ``tree_mode`` allows it), sampling
         as ``sampling`` says (this step's rows, in batch order, and the draft stream).
         ``Proposal.caught_up`` says whether it also fed tokens it had skipped."""
 
-    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+    def observe(self, states: list, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         """``num_accepted`` ``[B]``: how many of the last proposal's tokens the target accepted (for
         a tree: the depth of the accepted path); ``target_hidden`` ``[B, k+1, E]`` (a tree:
         ``[B, D+1, E]``): the features of the fed token and the accepted tokens, in order, when
         ``wants_target_hidden``."""
 
-    def retain(self, rows: list[int]) -> None:
-        """Keep only these rows (by current position, in this order); the others have left."""
+    def retain(self, rows: list[int], left: list) -> None:
+        """Keep only these rows of the batched state (by current position, in this order);
+        ``left``: the states of the rows that left (a shared history may learn from them)."""
 
 
 class LookupProposer(Proposer, Protocol):
     """A proposer that drafts by looking the committed text up (n-gram, suffix): what a
     :class:`~specdec.proposers.hybrid.HybridProposer` calls besides the :class:`Proposer` protocol."""
 
-    def has_match(self, k: int = 1) -> list[bool]:
+    def has_match(self, states: list, k: int = 1) -> list[bool]:
         """Per row: whether a lookup would draft now (after :meth:`feed`)."""
 
-    def lookup(self, k: int, tree: bool) -> Proposal:
+    def lookup(self, states: list, k: int, tree: bool) -> Proposal:
         """Draft up to ``k`` tokens (or tree nodes) per row from the index, without feeding it again."""
 
 

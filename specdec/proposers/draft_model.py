@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from specdec.proposers.base import Proposal, draft_token, no_drafts
 from specdec.runtime.model import Transformer
 from specdec.verify.sampling import SamplingMetadata
+
+
+@dataclass
+class DraftRow:
+    """One row's state: committed ids not yet fed to the draft model, and how many accepted
+    drafts (already in the cache) the next pending list starts with."""
+
+    unfed: list[int] = field(default_factory=list)
+    skip: int = 0
 
 
 class DraftModelProposer:
@@ -27,11 +38,9 @@ class DraftModelProposer:
         self.capacity = capacity
         self.vocab_ids, self.vocab_size = vocab_ids, vocab_size
         self.cache = None
-        self._unfed: list[list[int]] = []  # per row: committed ids not yet fed to the draft model
-        self._skip: list[int] = []  # per row: accepted drafts already in the cache, to skip in ``pending``
         self._fed_drafts = 0  # draft tokens of the last proposal that were written into the cache
 
-    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> list[DraftRow]:
         """New rows: their prompts are prefilled now, in one call over just those rows."""
         if self.cache is None:
             self.cache = self.model.new_cache(0, self.capacity)
@@ -43,23 +52,24 @@ class DraftModelProposer:
         self.model(padded, rows, logit_index=(counts - 1).unsqueeze(1))  # (the logits come with the first token)
         rows.truncate(counts)
         self.cache.set_lengths(start, rows.lengths)
-        self._unfed += [[] for _ in prompts]
-        self._skip += [0] * len(prompts)
+        return [DraftRow() for _ in prompts]
 
-    def feed(self, pending: list[list[int]]) -> str:
+    def feed(self, states: list[DraftRow], pending: list[list[int]]) -> str:
         """Queue the committed ids, less the accepted drafts already in the cache; they are fed
         with the next proposal's forward (steps with k = 0, or the other side of a hybrid
         drafting, queue more)."""
-        self._unfed = [pre + new[skip:] for pre, new, skip in zip(self._unfed, pending, self._skip)]
-        self._skip = [0] * len(pending)
+        for row, new in zip(states, pending):
+            row.unfed += new[row.skip:]
+            row.skip = 0
         self._fed_drafts = 0
         return "default"
 
-    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
-        batch = len(self._unfed)
+    def propose(self, states: list[DraftRow], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         if k == 0:  # no drafts this step (adaptive k turned speculation off): run nothing
-            return no_drafts(batch)
-        feed, self._unfed = self._unfed, [[] for _ in range(batch)]
+            return no_drafts(len(states))
+        feed = [row.unfed for row in states]
+        for row in states:
+            row.unfed = []
         counts = torch.tensor([len(f) for f in feed])
         # More than the usual 1-2 new tokens: this step also caught up on skipped ones, so its
         # time says little about the cost of a draft token (see AdaptiveK.observe).
@@ -84,16 +94,16 @@ class DraftModelProposer:
         self.cache.truncate(before + counts)
         return logits
 
-    def retain(self, rows: list[int]) -> None:
+    def retain(self, rows: list[int], left: list[DraftRow]) -> None:
         self.cache.retain(rows)
-        self._unfed = [self._unfed[i] for i in rows]
-        self._skip = [self._skip[i] for i in rows]
 
-    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+    def observe(self, states: list[DraftRow], num_accepted: torch.Tensor,
+                target_hidden: torch.Tensor | None = None) -> None:
         # The cache holds the fed pending tokens plus drafts d_1..d_{k-1}. Keep the accepted ones
         # and skip them in the next pending list; an accepted d_k (never fed) is fed next time,
         # together with the bonus token.
         fed = self._fed_drafts
         keep = torch.clamp(num_accepted, max=fed)
         self.cache.truncate(self.cache.lengths - fed + keep)
-        self._skip = keep.tolist()
+        for row, skip in zip(states, keep.tolist()):
+            row.skip = skip

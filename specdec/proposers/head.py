@@ -9,12 +9,24 @@ cache is cut back to the committed pairs, and the target's features of the accep
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from specdec.proposers.base import Proposal, draft_token, no_drafts
 from specdec.runtime.head import DraftHead
 from specdec.runtime.kv_cache import KVCache
 from specdec.verify.sampling import SamplingMetadata, probs_per_row
+
+
+@dataclass
+class HeadRow:
+    """One row's state: the target features not yet fed to the head ``[n, E]``, and the
+    committed tokens that follow them (the token after the last feature arrives with the next
+    pending list)."""
+
+    feats: torch.Tensor
+    tokens: list[int] = field(default_factory=list)
 
 
 class HeadProposer:
@@ -41,11 +53,9 @@ class HeadProposer:
             raise ValueError(f"min_score must be in [0, 1], got {min_score}")
         self.head, self.capacity, self.min_score = head, capacity, min_score
         self.cache: KVCache | None = None
-        self._committed = torch.zeros(0, dtype=torch.long)
-        self._feats: list[torch.Tensor] = []
-        self._tokens: list[list[int]] = []
+        self._committed = torch.zeros(0, dtype=torch.long)  # [B] slots of true (feature, token) pairs
 
-    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> list[HeadRow]:
         """New rows, with ``target_hidden`` ``[N, L, E]`` the target's features of their prompts
         (from prefill). The pairs (feature t, token t+1) of each prompt are fed now, in one head
         call over just those rows; the last feature waits for the first generated token."""
@@ -62,23 +72,21 @@ class HeadProposer:
             self.head(target_hidden[:, :width], tokens, rows, logit_index=(counts.clamp(min=1) - 1).unsqueeze(1))
             rows.truncate(counts)
         self.cache.set_lengths(start, rows.lengths)
-        self._committed = torch.cat([self._committed, rows.lengths])  # [B] slots of true (feature, token) pairs
-        # Per row: features not yet fed to the head, and the tokens that follow them (the token
-        # after the last one arrives with the next pending list).
-        self._feats += [target_hidden[b, len(p) - 1 : len(p)] for b, p in enumerate(prompts)]
-        self._tokens += [[] for _ in prompts]
+        self._committed = torch.cat([self._committed, rows.lengths])
+        return [HeadRow(target_hidden[b, len(p) - 1 : len(p)]) for b, p in enumerate(prompts)]
 
-    def feed(self, pending: list[list[int]]) -> str:
+    def feed(self, states: list[HeadRow], pending: list[list[int]]) -> str:
         """Queue the committed ids; each pairs with a queued target feature at the next head call."""
-        self._tokens = [t + p for t, p in zip(self._tokens, pending)]
+        for row, ids in zip(states, pending):
+            row.tokens = row.tokens + ids
         return "default"
 
-    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
-        batch = len(self._tokens)
+    def propose(self, states: list[HeadRow], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+        batch = len(states)
         if k == 0:
             return no_drafts(batch)
-        caught_up = self._catching_up()
-        logits, guess = self._catch_up()
+        caught_up = self._catching_up(states)
+        logits, guess = self._catch_up(states)
         drafts, probs = [], []
         score = torch.ones(batch)  # [B] product of the head's top probabilities along each chain
         declined = False
@@ -115,44 +123,45 @@ class HeadProposer:
             raise ValueError("the draft head produced non-finite logits")
         return probs_per_row(subset_logits, sampling.ranking())
 
-    def _catching_up(self) -> bool:
+    @staticmethod
+    def _catching_up(states: list[HeadRow]) -> bool:
         """Whether the next head call feeds more than the usual 1-2 pairs a row (tokens skipped
         while k was 0, or while the other side of a hybrid drafted)."""
-        return max(len(t) for t in self._tokens) > 2
+        return max(len(row.tokens) for row in states) > 2
 
-    def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, states: list[HeadRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the queued (target feature, next token) pairs of every row in one head call;
         returns the subset logits at each row's last pair ``[B, 1, N]`` and the head's guess of
         the next feature ``[B, 1, E]`` (what drafting continues from)."""
-        batch = len(self._tokens)
-        counts = torch.tensor([len(t) for t in self._tokens])  # == len(feats) per row
+        batch = len(states)
+        counts = torch.tensor([len(row.tokens) for row in states])  # == len(feats) per row
         width = int(counts.max())
-        feats = torch.zeros(batch, width, self._feats[0].shape[-1], dtype=self._feats[0].dtype)  # [B, W, G E]
-        for b, f in enumerate(self._feats):
-            feats[b, : f.shape[0]] = f
-        tokens = torch.tensor([t + [0] * (width - len(t)) for t in self._tokens])
+        first = states[0].feats
+        feats = torch.zeros(batch, width, first.shape[-1], dtype=first.dtype)  # [B, W, E]
+        for b, row in enumerate(states):
+            feats[b, : row.feats.shape[0]] = row.feats
+        tokens = torch.tensor([row.tokens + [0] * (width - len(row.tokens)) for row in states])
         before = self.cache.lengths.clone()
         logits, guesses = self.head(feats, tokens, self.cache, logit_index=(counts - 1).unsqueeze(1))
         self.cache.truncate(before + counts)
         self._committed = before + counts
         guess = guesses.gather(1, (counts - 1).view(-1, 1, 1).expand(-1, 1, guesses.shape[-1]))  # [B, 1, E]
-        self._feats = [f[:0] for f in self._feats]
-        self._tokens = [[] for _ in range(batch)]
+        for row in states:
+            row.feats, row.tokens = row.feats[:0], []
         return logits, guess
 
-    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+    def observe(self, states: list[HeadRow], num_accepted: torch.Tensor,
+                target_hidden: torch.Tensor | None = None) -> None:
         """Drop the drafted slots; queue the target's features of the fed token and the accepted
         drafts (``target_hidden`` ``[B, k+1, E]`` from the verification forward)."""
         if target_hidden is None:
             raise ValueError("the draft head needs the target's features of each verified block")
         self.cache.truncate(self._committed)
-        self._feats = [torch.cat([f, target_hidden[b, : int(a) + 1]]) for b, (f, a) in
-                       enumerate(zip(self._feats, num_accepted))]
+        for b, (row, a) in enumerate(zip(states, num_accepted.tolist())):
+            row.feats = torch.cat([row.feats, target_hidden[b, : a + 1]])
 
-    def retain(self, rows: list[int]) -> None:
+    def retain(self, rows: list[int], left: list[HeadRow]) -> None:
         self.cache.retain(rows)
-        self._feats = [self._feats[i] for i in rows]
-        self._tokens = [self._tokens[i] for i in rows]
         self._committed = self._committed[rows]
 
 
@@ -185,14 +194,14 @@ class HeadTreeProposer(HeadProposer):
         super().__init__(head, capacity + width * depth)  # the expanded nodes' slots while drafting (chains uncut)
         self.width, self.depth, self.tree_min_score = width, depth, min_score
 
-    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+    def propose(self, states: list[HeadRow], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         if not tree:
-            return super().propose(k, tree, sampling)
-        batch = len(self._tokens)
+            return super().propose(states, k, tree, sampling)
+        batch = len(states)
         if k == 0:
             return no_drafts(batch, tree=True)
-        caught_up = self._catching_up()
-        logits, guess = self._catch_up()  # [B, 1, N], [B, 1, E]
+        caught_up = self._catching_up(states)
+        logits, guess = self._catch_up(states)  # [B, 1, N], [B, 1, E]
         width = min(self.width, k)
         probs, ids = self._rank_probs(logits, sampling).topk(width, dim=-1)  # [B, 1, W]
         tokens, scores = self.head.vocab_ids[ids[:, 0]], probs[:, 0]  # [B, M] nodes so far (M = W)

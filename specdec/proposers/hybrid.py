@@ -11,10 +11,19 @@ separate cost and acceptance estimates for each.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specdec.proposers.base import LookupProposer, Proposal, Proposer
 from specdec.verify.sampling import SamplingMetadata
+
+
+class HybridRow(NamedTuple):
+    """One row's state: each side's own."""
+
+    lookup: object
+    draft: object
 
 
 class HybridProposer:
@@ -30,28 +39,30 @@ class HybridProposer:
     def wants_target_hidden(self) -> bool:
         return self.model_draft.wants_target_hidden
 
-    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
-        self.lookup_side.add(prompts)
-        self.model_draft.add(prompts, target_hidden=target_hidden)
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> list[HybridRow]:
+        lookups = self.lookup_side.add(prompts)
+        return [HybridRow(*pair) for pair in zip(lookups, self.model_draft.add(prompts, target_hidden=target_hidden))]
 
-    def feed(self, pending: list[list[int]]) -> str:
+    def feed(self, states: list[HybridRow], pending: list[list[int]]) -> str:
         """Both sides take the committed ids (the model draft queues them for its next forward);
         the lookup proposes this step if every row has a match ("ngram"), else the model ("draft")."""
-        self.lookup_side.feed(pending)
-        self.model_draft.feed(pending)
-        self._source = "ngram" if all(self.lookup_side.has_match()) else "draft"
+        lookups = [row.lookup for row in states]
+        self.lookup_side.feed(lookups, pending)
+        self.model_draft.feed([row.draft for row in states], pending)
+        self._source = "ngram" if all(self.lookup_side.has_match(lookups)) else "draft"
         return self._source
 
-    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+    def propose(self, states: list[HybridRow], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         if self._source == "ngram":
-            return self.lookup_side.lookup(k, tree)
-        return self.model_draft.propose(k, tree, sampling)
+            return self.lookup_side.lookup([row.lookup for row in states], k, tree)
+        return self.model_draft.propose([row.draft for row in states], k, tree, sampling)
 
-    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+    def observe(self, states: list[HybridRow], num_accepted: torch.Tensor,
+                target_hidden: torch.Tensor | None = None) -> None:
         # A draft head must see the target's features of every committed token, whoever proposed.
         if self._source == "draft" or self.model_draft.wants_target_hidden:
-            self.model_draft.observe(num_accepted, target_hidden=target_hidden)
+            self.model_draft.observe([row.draft for row in states], num_accepted, target_hidden=target_hidden)
 
-    def retain(self, rows: list[int]) -> None:
-        self.lookup_side.retain(rows)
-        self.model_draft.retain(rows)
+    def retain(self, rows: list[int], left: list[HybridRow]) -> None:
+        self.lookup_side.retain(rows, [row.lookup for row in left])
+        self.model_draft.retain(rows, [row.draft for row in left])

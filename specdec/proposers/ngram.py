@@ -50,6 +50,8 @@ class NgramIndex:
 
 
 class NgramProposer:
+    """Each row's state is its :class:`NgramIndex`."""
+
     wants_target_hidden = False
     tree_mode = "chains"
 
@@ -57,37 +59,37 @@ class NgramProposer:
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_min, self.n_max = n_min, n_max
-        self.rows: list[NgramIndex] = []
 
-    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
-        for prompt in prompts:
-            index = NgramIndex(self.n_min, self.n_max)
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> list[NgramIndex]:
+        indexes = [NgramIndex(self.n_min, self.n_max) for _ in prompts]
+        for index, prompt in zip(indexes, prompts):
             index.extend(prompt)
-            self.rows.append(index)
+        return indexes
 
-    def feed(self, pending: list[list[int]]) -> str:
+    def feed(self, states: list[NgramIndex], pending: list[list[int]]) -> str:
         """Add newly committed tokens to each row's history."""
-        for index, ids in zip(self.rows, pending):
+        for index, ids in zip(states, pending):
             index.extend(ids)
         return "default"
 
-    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
-        return self.lookup(k)  # (deterministic drafts: the rows' sampling does not matter)
+    def propose(self, states: list[NgramIndex], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+        return self.lookup(states, k)  # (deterministic drafts: the rows' sampling does not matter)
 
-    def lookup(self, k: int, tree: bool = False) -> Proposal:
+    def lookup(self, states: list[NgramIndex], k: int, tree: bool = False) -> Proposal:
         """The proposal from the current histories (``feed`` first)."""
-        found = [index.lookup(k) if k > 0 else [] for index in self.rows]
+        found = [index.lookup(k) if k > 0 else [] for index in states]
         width = max((len(f) for f in found), default=0)
-        padded = [f + [(f or index.tokens)[-1]] * (width - len(f)) for f, index in zip(found, self.rows)]
-        tokens = torch.tensor(padded, dtype=torch.long).view(len(self.rows), width)
+        padded = [f + [(f or index.tokens)[-1]] * (width - len(f)) for f, index in zip(found, states)]
+        tokens = torch.tensor(padded, dtype=torch.long).view(len(states), width)
         return Proposal(tokens, None)
 
-    def has_match(self, k: int = 1) -> list[bool]:
+    def has_match(self, states: list[NgramIndex], k: int = 1) -> list[bool]:
         """Whether each row would propose something now (used by the hybrid proposer)."""
-        return [bool(index.lookup(k)) for index in self.rows]
+        return [bool(index.lookup(k)) for index in states]
 
-    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+    def observe(self, states: list[NgramIndex], num_accepted: torch.Tensor,
+                target_hidden: torch.Tensor | None = None) -> None:
         pass  # the committed tokens arrive with the next ``feed``
 
-    def retain(self, rows: list[int]) -> None:
-        self.rows = [self.rows[i] for i in rows]
+    def retain(self, rows: list[int], left: list[NgramIndex]) -> None:
+        pass  # nothing batched

@@ -301,7 +301,7 @@ class CopyRow:
 
 class SuffixProposer:
     """Candidate trees from the context's own repetitions (and a shared history of earlier outputs),
-    led by the copy each row is following (:class:`CopyRow`).
+    led by the copy each row is following (:class:`CopyRow`, each row's state).
 
     When the engine asks for a chain (every row samples, or its ShapeRace wants one: see
     :func:`~specdec.proposers.base.tree_shape`) it proposes each tree's best path. ``tree_mode``:
@@ -318,14 +318,13 @@ class SuffixProposer:
         self.min_match, self.max_match, self.max_occurrences = min_match, max_match, max_occurrences
         self.history = SuffixHistory(max_match) if history is None else history
         self.tree_mode = tree_mode
-        self.rows: list[CopyRow] = []
 
-    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
-        self.rows += [CopyRow(prompt, self.max_match) for prompt in prompts]
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> list[CopyRow]:
+        return [CopyRow(prompt, self.max_match) for prompt in prompts]
 
-    def feed(self, pending: list[list[int]]) -> str:
+    def feed(self, states: list[CopyRow], pending: list[list[int]]) -> str:
         """Index the committed ids of each row."""
-        for row, ids in zip(self.rows, pending):
+        for row, ids in zip(states, pending):
             if ids:
                 row.feed(ids)
         return "default"
@@ -393,20 +392,20 @@ class SuffixProposer:
             return [], [], [], []
         return build_tree(conts, budget, weights, states, total=sum(masses) + (lookup_mass if found[0] else 0.0))
 
-    def lookup(self, k: int, tree: bool = True) -> Proposal:
+    def lookup(self, states: list[CopyRow], k: int, tree: bool = True) -> Proposal:
         """A tree of at most ``k`` nodes per row from the current histories (``feed`` first); a
         chain of at most ``k`` tokens (each tree's best path) without ``tree``."""
-        trees = [self._row_tree(row, k) if k > 0 else ([], [], [], []) for row in self.rows]
-        for row, (tokens, parents, _, states) in zip(self.rows, trees):
-            row.last = (tokens, parents, states)
+        trees = [self._row_tree(row, k) if k > 0 else ([], [], [], []) for row in states]
+        for row, (tokens, parents, _, nodes) in zip(states, trees):
+            row.last = (tokens, parents, nodes)
         if not tree:
             paths = [best_path(*t[:3]) for t in trees]
             width = max((len(path) for path in paths), default=0)
             # a row without a match repeats its last token (as the n-gram proposer does): a guess
-            padded = [path + [(path or row.index.tokens)[-1]] * (width - len(path)) for path, row in zip(paths, self.rows)]
-            return Proposal(torch.tensor(padded, dtype=torch.long).view(len(self.rows), width), None)
+            padded = [path + [(path or row.index.tokens)[-1]] * (width - len(path)) for path, row in zip(paths, states)]
+            return Proposal(torch.tensor(padded, dtype=torch.long).view(len(states), width), None)
         width = max((len(t[0]) for t in trees), default=0)
-        batch = len(self.rows)
+        batch = len(states)
         tokens = torch.full((batch, width), -1, dtype=torch.long)
         parents = torch.full((batch, width), -1, dtype=torch.long)
         scores = torch.zeros(batch, width)
@@ -416,20 +415,18 @@ class SuffixProposer:
             scores[b, : len(score)] = torch.tensor(score)
         return Proposal(tokens, None, parents=parents, scores=scores)
 
-    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
-        return self.lookup(k, tree)  # (deterministic candidates: the rows' sampling does not matter)
+    def propose(self, states: list[CopyRow], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+        return self.lookup(states, k, tree)  # (deterministic candidates: the rows' sampling does not matter)
 
-    def has_match(self, k: int = 1) -> list[bool]:
+    def has_match(self, states: list[CopyRow], k: int = 1) -> list[bool]:
         """Whether each row has a copy or a lookup match now (re-entry guesses alone do not
         count); used by the hybrid proposer."""
-        return [bool(self._row_tree(row, 1, resync=False)[0]) for row in self.rows]
+        return [bool(self._row_tree(row, 1, resync=False)[0]) for row in states]
 
-    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+    def observe(self, states: list[CopyRow], num_accepted: torch.Tensor,
+                target_hidden: torch.Tensor | None = None) -> None:
         pass  # the committed tokens arrive with the next ``feed``
 
-    def retain(self, rows: list[int]) -> None:
-        kept = set(rows)
-        for i, row in enumerate(self.rows):
-            if i not in kept:  # a finished row: its output joins the shared history
-                self.history.add(row.index.tokens[row.prompt_len:])
-        self.rows = [self.rows[i] for i in rows]
+    def retain(self, rows: list[int], left: list[CopyRow]) -> None:
+        for row in left:  # a finished row: its output joins the shared history
+            self.history.add(row.index.tokens[row.prompt_len:])

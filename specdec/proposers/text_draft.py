@@ -18,6 +18,7 @@ that step: its k positions repeat its last token, which the verifier rejects lik
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +30,14 @@ from specdec.verify.sampling import SamplingMetadata
 TAIL = 8  # committed target tokens re-encoded with the drafted text (the boundary must reproduce them)
 EXTRA = 2  # draft tokens beyond k: tokenizations differ, and the last target token is dropped
 MEMO = 4096  # text conversions remembered (rows often share a context)
+
+
+@dataclass
+class TextRow:
+    """One row's state: its committed target tokens, and the draft tokens its cache row holds."""
+
+    target_ids: list[int]
+    draft_ids: list[int] = field(default_factory=list)
 
 
 class TextDraftProposer:
@@ -43,32 +52,28 @@ class TextDraftProposer:
         self.model, self.dtok, self.ttok = model, draft_tokenizer, target_tokenizer
         self.capacity = 2 * capacity + 64  # the draft's tokenizer may need more tokens for the same text
         self.cache = None
-        self.target_ids: list[list[int]] = []  # per row: the committed target tokens
-        self.draft_ids: list[list[int]] = []  # per row: the draft tokens its cache holds
         self._memo: OrderedDict = OrderedDict()
 
-    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> None:
+    def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> list[TextRow]:
         """New rows: nothing is run now; the first proposal feeds their text."""
         if self.cache is None:
             self.cache = self.model.new_cache(0, self.capacity)
         self.cache.append_rows(len(prompts))
-        self.target_ids += [list(p) for p in prompts]
-        self.draft_ids += [[] for _ in prompts]
+        return [TextRow(list(p)) for p in prompts]
 
-    def feed(self, pending: list[list[int]]) -> str:
-        for ids, new in zip(self.target_ids, pending):
-            ids.extend(new)
+    def feed(self, states: list[TextRow], pending: list[list[int]]) -> str:
+        for row, new in zip(states, pending):
+            row.target_ids.extend(new)
         return "default"
 
-    def propose(self, k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+    def propose(self, states: list[TextRow], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         """(Deterministic drafts: the rows' sampling does not matter.)"""
-        batch = len(self.target_ids)
         if k == 0:
-            return no_drafts(batch)
-        wanted = [self._convert("draft", tuple(ids)) for ids in self.target_ids]  # [B] draft tokens of the text
-        logits = self._sync(wanted)  # [B, V_draft]: after each row's last draft token
-        drafted = self._draft(logits, k + EXTRA)  # [B] lists of draft tokens
-        tokens = [self._target_drafts(b, wanted[b], drafted[b], k) for b in range(batch)]
+            return no_drafts(len(states))
+        wanted = [self._convert("draft", tuple(row.target_ids)) for row in states]  # [B] draft tokens of the text
+        logits = self._sync(states, wanted)  # [B, V_draft]: after each row's last draft token
+        drafted = self._draft(states, logits, k + EXTRA)  # [B] lists of draft tokens
+        tokens = [self._target_drafts(row, w, d, k) for row, w, d in zip(states, wanted, drafted)]
         return Proposal(torch.tensor(tokens, dtype=torch.long), None)
 
     def _convert(self, kind: str, key: tuple):
@@ -97,19 +102,19 @@ class TextDraftProposer:
                 return token
         return 0
 
-    def _sync(self, wanted: list[list[int]]) -> torch.Tensor:
+    def _sync(self, states: list[TextRow], wanted: list[list[int]]) -> torch.Tensor:
         """Roll each row's cache back to its common prefix with ``wanted`` (at least one token
         short of it, so every row feeds one) and feed the rest; the logits after the last."""
         feed, keep = [], []
-        for b, want in enumerate(wanted):
-            have = self.draft_ids[b]
+        for row, want in zip(states, wanted):
+            have = row.draft_ids
             common = 0
             limit = min(len(have), len(want) - 1)
             while common < limit and have[common] == want[common]:
                 common += 1
             keep.append(common)
             feed.append(want[common:])
-            self.draft_ids[b] = list(want)
+            row.draft_ids = list(want)
         if max(len(w) for w in wanted) + EXTRA + 8 > self.capacity:
             raise ValueError(f"the text draft's context ({max(len(w) for w in wanted)} tokens) outgrew its cache")
         self.cache.truncate(torch.tensor(keep))
@@ -120,7 +125,7 @@ class TextDraftProposer:
         self.cache.truncate(torch.tensor(keep) + counts)
         return logits
 
-    def _draft(self, logits: torch.Tensor, steps: int) -> list[list[int]]:
+    def _draft(self, states: list[TextRow], logits: torch.Tensor, steps: int) -> list[list[int]]:
         """``steps`` greedy draft tokens per row (fed to the cache, all but the last)."""
         out = []
         for i in range(steps):
@@ -129,15 +134,15 @@ class TextDraftProposer:
             if i < steps - 1:
                 logits = self.model(token, self.cache)[:, -1]
         tokens = torch.cat(out, 1).tolist()  # [B, steps]
-        for b, row in enumerate(tokens):
-            self.draft_ids[b] += row[:-1]
+        for row, drafted in zip(states, tokens):
+            row.draft_ids += drafted[:-1]
         return tokens
 
-    def _target_drafts(self, b: int, wanted: list[int], drafted: list[int], k: int) -> list[int]:
+    def _target_drafts(self, row: TextRow, wanted: list[int], drafted: list[int], k: int) -> list[int]:
         """Up to ``k`` target tokens for the text ``drafted`` adds, padded with the last token."""
         base = self.dtok.decode(wanted, clean_up_tokenization_spaces=False)
         full = self.dtok.decode(wanted + drafted, clean_up_tokenization_spaces=False)
-        ids = self.target_ids[b]
+        ids = row.target_ids
         out: list[int] = []
         if full.startswith(base) and "\ufffd" not in full[len(base) - 1 if base else 0 :]:
             tail = tuple(ids[-TAIL:])
@@ -146,10 +151,9 @@ class TextDraftProposer:
                 out = list(encoded[len(tail) : -1])[:k]  # the last one may still grow
         return out + [ids[-1]] * (k - len(out))
 
-    def observe(self, num_accepted: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+    def observe(self, states: list[TextRow], num_accepted: torch.Tensor,
+                target_hidden: torch.Tensor | None = None) -> None:
         """Nothing: the next proposal re-syncs the draft from the committed tokens."""
 
-    def retain(self, rows: list[int]) -> None:
+    def retain(self, rows: list[int], left: list[TextRow]) -> None:
         self.cache.retain(rows)
-        self.target_ids = [self.target_ids[i] for i in rows]
-        self.draft_ids = [self.draft_ids[i] for i in rows]

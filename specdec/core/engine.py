@@ -446,7 +446,7 @@ class Engine:
         if other:
             whole = len(other) == batch
             part = block if whole else block.rows(torch.tensor(other))
-            probs = probs_per_row(logits if whole else logits[other], sampling.rows(other).params)
+            probs = probs_per_row(logits if whole else logits[other], [sampling.params[i] for i in other])
             rejection = part.verify_sampled(probs, self.g_verify, self.verifier)
             if whole:
                 return rejection
@@ -458,7 +458,7 @@ class Engine:
         if seeded:
             width = block.draw_width(seeded)
             u = torch.stack([rows[i].uniforms.take(len(rows[i].token_ids), width) for i in seeded])  # [S, width]
-            probs = probs_per_row(logits[seeded], sampling.rows(seeded).params)
+            probs = probs_per_row(logits[seeded], [sampling.params[i] for i in seeded])
             drawn[seeded] = sample_at(probs, block.slot_uniforms(u, seeded))
         result = block.verify_drawn(drawn)
         if rejection is not None:

@@ -164,48 +164,9 @@ def run_fast(
     if streams < 2:
         raise ValueError("fast mode needs at least 2 streams (standard errors are taken across streams)")
     vocab = pair.vocab
-    target, draft = pair.target, pair.draft
     start = time.perf_counter()
-
-    # Plain target sampling: every stream advances one token per step.
-    g = torch.Generator().manual_seed(baseline_seed)
-    steps = math.ceil(tokens / streams)
-    current = torch.zeros(streams, dtype=torch.long)
-    base_counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for _ in range(steps):
-        nxt = torch.multinomial(target[current], 1, generator=g).squeeze(-1)  # [N]
-        base_counts += _transition_counts(current, nxt, vocab)
-        current = nxt
-
-    # Speculative sampling: one chain verification per stream per call.
-    g = torch.Generator().manual_seed(speculative_seed)
-    current = torch.zeros(streams, dtype=torch.long)
-    spec_counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    accepted = torch.zeros(streams, dtype=torch.float64)
-    emitted = torch.zeros(streams, dtype=torch.float64)
-    calls = 0
-    call_index = 0
-    while emitted.sum().item() < tokens:
-        state, drafted, q_rows = current, [], []
-        for _ in range(k):
-            q = draft[state]  # [N, V]
-            state = torch.multinomial(q, 1, generator=g).squeeze(-1)  # [N]
-            drafted.append(state)
-            q_rows.append(q)
-        draft_tokens = torch.stack(drafted, 1) if k else torch.zeros(streams, 0, dtype=torch.long)  # [N, k]
-        prev = torch.cat([current.unsqueeze(1), draft_tokens], 1)  # [N, k+1]
-        p = target[prev]  # [N, k+1, V]
-        q_all = torch.stack(q_rows, 1) if k else torch.zeros(streams, 0, vocab, dtype=p.dtype)  # [N, k, V]
-        result = verify_chain(p, q_all, draft_tokens, g)
-        committed_prev = torch.cat([current.unsqueeze(1), result.tokens[:, :-1]], 1)  # [N, k+1]
-        current = result.tokens.gather(1, result.num_accepted.unsqueeze(1)).squeeze(1)
-        call_index += 1
-        if call_index <= burn_in:
-            continue
-        spec_counts += _transition_counts(committed_prev.clamp(min=0), result.tokens, vocab)
-        accepted += result.num_accepted.to(torch.float64)
-        emitted += result.num_committed.to(torch.float64)
-        calls += 1
+    base_counts = _plain_counts(pair.target, tokens, streams, baseline_seed)
+    spec_counts, accepted, emitted, calls = _speculative_counts(pair, tokens, k, streams, speculative_seed, burn_in)
     seconds = time.perf_counter() - start
 
     f1 = base_counts / base_counts.sum(-1, keepdim=True)
@@ -220,8 +181,8 @@ def run_fast(
         tokens=total_tokens,
         vocab=vocab,
         proposal_len=k,
-        baseline_vs_target_max_error=(f1 - target).abs().max().item(),
-        speculative_vs_target_max_error=(f2 - target).abs().max().item(),
+        baseline_vs_target_max_error=(f1 - pair.target).abs().max().item(),
+        speculative_vs_target_max_error=(f2 - pair.target).abs().max().item(),
         baseline_vs_speculative_max_error=(f1 - f2).abs().max().item(),
         mean_accepted_draft_tokens_per_call=mean_accepted,
         target_calls_per_emitted_token=calls * streams / total_tokens,
@@ -238,3 +199,57 @@ def run_fast(
             "speculative_transition_counts": spec_counts.to(torch.long).tolist(),
         },
     )
+
+
+def _plain_counts(target: torch.Tensor, tokens: int, streams: int, seed: int) -> torch.Tensor:
+    """Plain target sampling, every stream one token per step: transition counts ``[V, V]``."""
+    vocab = target.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    current = torch.zeros(streams, dtype=torch.long)
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for _ in range(math.ceil(tokens / streams)):
+        nxt = torch.multinomial(target[current], 1, generator=g).squeeze(-1)  # [N]
+        counts += _transition_counts(current, nxt, vocab)
+        current = nxt
+    return counts
+
+
+def _draft_chains(draft: torch.Tensor, current: torch.Tensor, k: int, g: torch.Generator):
+    """``k`` draft tokens per stream from ``current`` ``[N]``: tokens ``[N, k]`` and the q each
+    was drawn from ``[N, k, V]``."""
+    state, drafted, q_rows = current, [], []
+    for _ in range(k):
+        q = draft[state]  # [N, V]
+        state = torch.multinomial(q, 1, generator=g).squeeze(-1)  # [N]
+        drafted.append(state)
+        q_rows.append(q)
+    if not k:
+        return torch.zeros(len(current), 0, dtype=torch.long), torch.zeros(len(current), 0, draft.shape[0], dtype=draft.dtype)
+    return torch.stack(drafted, 1), torch.stack(q_rows, 1)
+
+
+def _speculative_counts(pair: MarkovPair, tokens: int, k: int, streams: int, seed: int, burn_in: int):
+    """Speculative sampling, one chain verification per stream per call (the first ``burn_in``
+    calls not counted): transition counts ``[V, V]``, accepted and emitted tokens per stream
+    ``[N]``, and the calls counted."""
+    vocab = pair.vocab
+    g = torch.Generator().manual_seed(seed)
+    current = torch.zeros(streams, dtype=torch.long)
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    accepted = torch.zeros(streams, dtype=torch.float64)
+    emitted = torch.zeros(streams, dtype=torch.float64)
+    calls = call_index = 0
+    while emitted.sum().item() < tokens:
+        draft_tokens, q_all = _draft_chains(pair.draft, current, k, g)  # [N, k], [N, k, V]
+        p = pair.target[torch.cat([current.unsqueeze(1), draft_tokens], 1)]  # [N, k+1, V]
+        result = verify_chain(p, q_all, draft_tokens, g)
+        committed_prev = torch.cat([current.unsqueeze(1), result.tokens[:, :-1]], 1)  # [N, k+1]
+        current = result.tokens.gather(1, result.num_accepted.unsqueeze(1)).squeeze(1)
+        call_index += 1
+        if call_index <= burn_in:
+            continue
+        counts += _transition_counts(committed_prev.clamp(min=0), result.tokens, vocab)
+        accepted += result.num_accepted.to(torch.float64)
+        emitted += result.num_committed.to(torch.float64)
+        calls += 1
+    return counts, accepted, emitted, calls

@@ -85,10 +85,6 @@ class SamplingMetadata:
     def __len__(self) -> int:
         return len(self.params)
 
-    def rows(self, index: list[int]) -> "SamplingMetadata":
-        """The metadata of the rows ``index`` only."""
-        return SamplingMetadata([self.params[i] for i in index], self.generator)
-
     def ranking(self) -> list[SamplingParams]:
         """Per row, the params that rank draft candidates: the row's own, or temperature 1 for a
         greedy row (whose processed distribution is one-hot and would rank nothing)."""

@@ -211,14 +211,14 @@ class SpeculationConfig:
             name = "none"  # k = 0: no speculation
         spec = METHODS[name]
         if spec.needs_draft and not draft:
-            raise ValueError(f"method {name!r} needs a draft model (draft=NAME_OR_PATH)")
+            raise ValueError(f"method {name!r} needs a draft model (--draft NAME_OR_PATH; draft= in the API)")
         if spec.needs_head and not head:
             raise ValueError(f"method {name!r} needs a draft head: this target has none shipped; train one "
-                             "with `specdec train-head` and pass its file (head=PATH)")
+                             "with `specdec train-head` and pass its file (--head PATH; head= in the API)")
         lo, hi = ngram if ngram is not None else (None, None)
         lo, hi = lo if lo is not None else NGRAM[0], hi if hi is not None else NGRAM[1]
         if not 1 <= lo <= hi:
-            raise ValueError(f"ngram sizes must satisfy 1 <= min <= max, got ({lo}, {hi})")
+            raise ValueError(f"ngram sizes must satisfy 1 <= min <= max (--ngram-min, --ngram-max), got ({lo}, {hi})")
         k_max = K_MAX if k_max is None else k_max
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")

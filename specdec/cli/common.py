@@ -62,22 +62,12 @@ def speculation_of(args: argparse.Namespace):
     """The :class:`~specdec.speculation.SpeculationConfig` of generate's and serve's options,
     resolved before anything is loaded; options that would be silently ignored are rejected."""
     from specdec.models import heads
-    from specdec.speculation import METHODS
 
     if args.draft is not None and args.proposer not in (None, "draft", "hybrid"):
         raise UsageError(f"--draft has no effect with --proposer {args.proposer}")
     resolve_auto_draft(args)
-    if args.proposer == "draft" and not args.draft:
-        raise UsageError("--proposer draft needs --draft NAME_OR_PATH")
     has_head = args.head is not None or heads.shipped(args.target) is not None
-    if args.proposer is not None and METHODS[args.proposer].needs_head and not has_head:
-        raise UsageError(f"--proposer {args.proposer}: {args.target} has no shipped draft head; train one with "
-                         "`specdec train-head` and pass it with --head PATH")
-    if args.ngram_min is not None and args.ngram_max is not None and args.ngram_min > args.ngram_max:
-        raise UsageError(f"--ngram-min ({args.ngram_min}) must be <= --ngram-max ({args.ngram_max})")
-    spec = _resolve(args, draft=bool(args.draft), head=has_head)
-    if spec.ngram[0] > spec.ngram[1]:  # one size given, beyond the other's default
-        raise UsageError(f"--ngram-min ({spec.ngram[0]}) must be <= --ngram-max ({spec.ngram[1]})")
+    spec = _resolve(args, draft=bool(args.draft), head=has_head)  # (speculation.py validates; its errors are usage errors)
     ignored = [
         ("--k", args.k is not None and not spec.speculates, "a proposer (--proposer none decodes plainly)"),
         ("--head", args.head is not None and not spec.uses_head, "--proposer head, hybrid, hybrid-head, head-tree or hybrid-tree"),

@@ -219,17 +219,16 @@ class Engine:
         with self.timer.phase("cache"):
             if self.prefix is not None:
                 self._store_finished([i for i, r in enumerate(self.rows) if r.done])
+            gone = [r for r in self.rows if r.done]
             for recorder in self.recorders:
                 if recorder.forget_finished:
-                    for row in self.rows:
-                        if row.done:
-                            recorder.forget(row)
-            left = [r.draft for r in self.rows if r.done]
+                    for row in gone:
+                        recorder.forget(row)
             self.rows = [self.rows[i] for i in keep]
             self.last = self.last[keep]
             self.cache.retain(keep)
             if self.proposer is not None:  # (also when none is left: a proposer may keep finished outputs)
-                self.proposer.retain(keep, left)
+                self.proposer.retain(keep, [r.draft for r in gone])
 
     def _store_finished(self, index: list[int]) -> None:
         """Put the prompt and output KV of finished rows (not failed ones) into the prefix cache:

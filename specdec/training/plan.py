@@ -11,8 +11,10 @@ estimated time, the last round's scaled by its training steps, fits in what is l
 
 Each stage's head stays in the work directory (``plan-NN.safetensors`` with its card) and
 ``plan.json`` records the seconds each took: a rerun of the same command skips the stages done
-and resumes the one interrupted, counting the time already spent. After each stage one line
-gives its held-out acceptance; the last head is copied to ``--out`` with its card.
+(their time counts against the hours) and resumes the one interrupted from what it had kept (its
+corpus, features and training checkpoints; its time before the interruption is not counted).
+After each stage one line gives its held-out acceptance; the last head is copied to ``--out``
+with its card.
 """
 
 from __future__ import annotations

@@ -219,18 +219,3 @@ def test_the_engine_keeps_a_joining_requests_prefill_out_of_the_draft_cost():
     while engine.busy:
         engine.step()
     assert len(row.token_ids) == 12
-
-
-def test_a_position_never_reached_takes_the_estimate_of_the_one_before():
-    """Steps at k = 2 whose drafts are all accepted: position 3, never tested, is estimated like
-    position 2 (not at the flat prior 0.5), so the controller drafts past 2, where it learns the
-    positions beyond. Control: the same counts with the flat prior keep k at 2."""
-    ak = AdaptiveK(k_max=8)
-    ak.verify_cost = CallCosts.measured({n: 1.0 + 0.05 * (n - 1) for n in range(1, 10)})
-    for _ in range(50):
-        ak.observe(2, [2], draft_seconds=0.6, verify_seconds=1.1)
-    acc = ak.acceptance()
-    assert acc[0] > 0.9 and acc[1] > 0.9 and acc[2] > 0.9
-    assert ak.choose() > 2
-    flat = acc[:2] + [ak.prior_accept] * 6
-    assert best_k(flat, ak.draft_cost, ak.verify_costs(), ak.k_max) == 2

@@ -166,16 +166,8 @@ class AdaptiveK:
         self.tested = [0.0] * self.k_max
 
     def acceptance(self) -> list[float]:
-        """``a_i`` per position: its counts with ``prior_weight`` pseudo-tests at the estimate of
-        position i - 1 (``prior_accept`` for the first). A draft that is accepted at one position
-        tends to be at the next, and a position k never reached is never tested: with a fixed
-        prior of 0.5 there, the 0.5B draft (a_1 0.85, a_2 0.83 measured) stayed at k = 2 on 93 of
-        95 steps, 24.8 tok/s against 32.9 at a fixed k = 4 (Xeon AMX, two code prompts)."""
-        out, prior = [], self.prior_accept
-        for a, t in zip(self.accepted, self.tested):
-            prior = (a + prior * self.prior_weight) / (t + self.prior_weight)
-            out.append(prior)
-        return out
+        return [(a + self.prior_accept * self.prior_weight) / (t + self.prior_weight)
+                for a, t in zip(self.accepted, self.tested)]
 
     def verify_costs(self, rows: int = 1) -> list[float]:
         """Estimated seconds of a call verifying k = 0..k_max drafts for each of ``rows`` rows."""

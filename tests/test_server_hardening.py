@@ -216,7 +216,8 @@ def test_streams_cut_at_shutdown_end_with_an_error_event_and_done(gen):  # noqa:
 
         def read():
             with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
-                              json={"model": MODEL, "prompt": "x", "max_tokens": 500, "stream": True}) as r:
+                              json={"model": MODEL, "prompt": "x", "max_tokens": 500, "stream": True,
+                                    "temperature": 0}) as r:  # (greedy: no end token in 500; sampled, one could end it first)
                 for line in r.iter_lines():
                     lines.append(line)
 

@@ -143,7 +143,7 @@ class Engine:
         # the prefix cache keeps the features of a finished row's KV when the proposer reads them
         self._cached_features = None
         if prefix_cache is not None and self.want_hidden:
-            self._cached_features = FeatureRecorder(forget_finished=True)
+            self._cached_features = FeatureRecorder()
             self.attach(self._cached_features)
 
     # -- requests in and out ------------------------------------------------------------------
@@ -220,10 +220,9 @@ class Engine:
             if self.prefix is not None:
                 self._store_finished([i for i, r in enumerate(self.rows) if r.done])
             gone = [r for r in self.rows if r.done]
-            for recorder in self.recorders:
-                if recorder.forget_finished:
-                    for row in gone:
-                        recorder.forget(row)
+            if self._cached_features is not None:  # (now in the prefix cache)
+                for row in gone:
+                    self._cached_features.forget(row)
             self.rows = [self.rows[i] for i in keep]
             self.last = self.last[keep]
             self.cache.retain(keep)

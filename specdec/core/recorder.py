@@ -16,11 +16,9 @@ from specdec.core.rows import RowState
 class FeatureRecorder:
     """The target's last-block features of every position whose KV a row committed, in order:
     the prompt's at prefill, then each step's fed token and accepted drafts (never a rejected
-    draft's). ``forget_finished``: drop a row's features when it leaves the batch (the engine's
-    own recorder); else they stay until :meth:`forget`."""
+    draft's). They stay until :meth:`forget`."""
 
-    def __init__(self, forget_finished: bool = False) -> None:
-        self.forget_finished = forget_finished
+    def __init__(self) -> None:
         self._pieces: dict[RowState, list[torch.Tensor]] = {}  # row -> [n_i, E] pieces
 
     def prefilled(self, row: RowState, hidden: torch.Tensor) -> None:

@@ -81,7 +81,7 @@ def _start_vllm(args, method: str) -> tuple[subprocess.Popen, str]:
     GGUF file's weights dequantized; vLLM's GGUF kernels are GPU-only), bfloat16, all cores."""
     from specdec.models import loading
 
-    model = loading.converted_dir_for(registry.resolve(args.target))
+    model = loading.hf_directory(args.target)
     return vllm_server.start(model, ngram=method == "vllm_ngram", max_batch=args.max_batch, context=1024)
 
 

@@ -86,7 +86,7 @@ def auto_draft(target: str, label: str = "--draft auto: ") -> str | None:
     from specdec.cache import notice
     from specdec.models import catalog, loading, registry
 
-    directory = loading.source_dir(target, install=True)
+    directory = loading.metadata_for(target, install=True)
     spec = registry.resolve(target)
     target = spec.name if spec else target
     mine, size = catalog.tokenizer_fingerprint(directory), catalog.parameters(directory)

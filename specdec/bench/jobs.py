@@ -50,6 +50,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.bench import llama_server, llamacpp, openvino, vllm_server
+from specdec.models import loading
 from specdec.bench.plots import write_plots
 from specdec.bench.report import write_report
 from specdec.proposers.suffix import SuffixHistory
@@ -134,7 +135,7 @@ class Bench:
 
     def vllm(self):
         if self._vllm is None:
-            self._vllm = vllm_server.VllmServer(self.gen.target.source_dir)
+            self._vllm = vllm_server.VllmServer(loading.hf_directory(self.gen.target))
         return self._vllm
 
     def close(self) -> None:
@@ -156,7 +157,8 @@ class Bench:
         if self._hf is None:
             from specdec.bench.hf import load_hf
 
-            self._hf = (load_hf(self.gen.target.source_dir, self.dtype), load_hf(self.gen.draft.source_dir, self.dtype))
+            self._hf = (load_hf(loading.hf_directory(self.gen.target), self.dtype),
+                        load_hf(loading.hf_directory(self.gen.draft), self.dtype))
         return self._hf
 
     def encode(self, prompt) -> list[int]:

@@ -35,6 +35,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import specdec.runtime.q4 as q4
+from specdec.models import loading
 from specdec.api import TextGenerator
 from specdec.bench.hf import hf_generate, load_hf
 from specdec.bench.prompts import CODE_PROMPTS
@@ -125,7 +126,7 @@ def prefill_side_by_side(target: str, dtypes: list[str], tokens: int = 500) -> d
     source = None
     for dtype in dtypes:
         loaded = TextGenerator.load(target, dtype=dtype).target
-        model, source = loaded.model, loaded.source_dir
+        model, source = loaded.model, loading.hf_directory(loaded)
         last = torch.tensor([[tokens - 1]])
         out[f"specdec {dtype}"] = tokens / prefill_rate(lambda: model(ids, model.new_cache(1, tokens), logit_index=last))
     hf = load_hf(source, "int8")
@@ -225,7 +226,7 @@ def runtime_vs_transformers(target: str, dtype: str, tokens: int, runs: int, out
     forward-cost scaling of our runtime."""
 
     gen = TextGenerator.load(target, dtype=dtype)
-    hf = load_hf(gen.target.source_dir, dtype)
+    hf = load_hf(loading.hf_directory(gen.target), dtype)
     ours_tps, hf_tps, same = [], [], []
     for run in range(runs):
         prompt = gen.encode(CODE_PROMPTS[run % len(CODE_PROMPTS)], chat=True)

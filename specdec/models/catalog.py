@@ -48,9 +48,14 @@ def tokenizer_fingerprint(directory: Path) -> str:
 
 
 def parameters(directory: Path) -> int:
-    """The number of weights in ``directory``'s safetensors files (read from their headers)."""
+    """The number of weights of a model: a GGUF file's (from its metadata directory's marker), or
+    a Hugging Face directory's safetensors files (read from their headers)."""
     from safetensors import safe_open
 
+    try:
+        return int(json.loads((directory / loading.DONE).read_text())["parameters"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
     total = 0
     for f in sorted(directory.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as handle:
@@ -63,12 +68,20 @@ def parameters(directory: Path) -> int:
 
 
 def installed() -> list[Installed]:
-    """Every complete conversion under ``$SPECDEC_HOME/converted`` (registry models by their
-    names, a user's GGUF files by their conversion directories)."""
-    by_dir = {loading.converted_dir_for(spec): spec.name for spec in registry.MODELS.values()}
-    root = registry.home() / "converted"
-    found = []
+    """Every model ready to load: the registry's assembled files (by name) and the GGUF files
+    specdec has loaded before (by path, while the file is still there), each with its metadata
+    directory (config and tokenizer)."""
+    found, seen = [], set()
+    for spec in registry.MODELS.values():
+        if spec.installed():
+            meta = loading.metadata_for(spec.name)
+            found.append(Installed(spec.name, meta, parameters(meta)))
+            seen.add(meta.resolve())
+    root = registry.home() / "models"
     for directory in sorted(root.iterdir()) if root.is_dir() else ():
-        if directory.is_dir() and loading.is_converted(directory):
-            found.append(Installed(by_dir.get(directory, str(directory)), directory, parameters(directory)))
+        if directory.resolve() in seen or not loading.is_converted(directory):
+            continue
+        source = Path(json.loads((directory / loading.DONE).read_text())["source"])
+        if source.is_file():
+            found.append(Installed(str(source), directory, parameters(directory)))
     return found

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 from specdec.runtime.config import UnsupportedModel
 
 # llama.cpp's architecture names that specdec converts (Mistral files are "llama").
@@ -28,8 +30,8 @@ GEMMA2_ASSUMED = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.
 
 
 def _field(reader, name: str):
-    field = reader.fields.get(name)
-    return None if field is None else field.contents()
+    value = reader.field(name)
+    return value.tolist() if hasattr(value, "tolist") else value
 
 
 def check(reader, path: Path) -> None:
@@ -65,7 +67,9 @@ def _head_dim(reader, arch: str) -> int | None:
 
 
 def _tensor(reader, name: str):
-    return next((t for t in reader.tensors if t.name == name), None)
+    """A small F32 tensor of the file (rope factors) as a float array, or None."""
+    info = reader.tensors.get(name)
+    return None if info is None else reader.raw(info).view(np.float32).astype(float)
 
 
 def rope_settings(reader) -> dict:
@@ -73,8 +77,6 @@ def rope_settings(reader) -> dict:
     ``rope_parameters`` for linear, YaRN and LongRoPE scaling and a partial rotary dimension,
     ``rope_freq_factors`` for a ``rope_freqs`` tensor (each frequency divided by its factor, as
     llama.cpp does; :mod:`specdec.runtime.rope`'s ``freq_factors``)."""
-    import numpy as np
-
     arch = _field(reader, "general.architecture")
     theta = float(_field(reader, f"{arch}.rope.freq_base") or 10000.0)
     params: dict = {"rope_type": "default", "rope_theta": theta}
@@ -88,8 +90,8 @@ def rope_settings(reader) -> dict:
     short, long = (_tensor(reader, name) for name in LONGROPE)
     if short is not None and long is not None:
         attn = _field(reader, f"{arch}.rope.scaling.attn_factor")
-        params.update(rope_type="longrope", short_factor=np.asarray(short.data, dtype=float).tolist(),
-                      long_factor=np.asarray(long.data, dtype=float).tolist(),
+        params.update(rope_type="longrope", short_factor=short.tolist(),
+                      long_factor=long.tolist(),
                       original_max_position_embeddings=int(original), **({"attention_factor": float(attn)} if attn else {}))
     head_dim, rotary = _head_dim(reader, arch), _field(reader, f"{arch}.rope.dimension_count")
     if rotary is not None and head_dim and rotary != head_dim:
@@ -101,7 +103,7 @@ def rope_settings(reader) -> dict:
         out["rope_parameters"] = {"full_attention": params, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     freqs = _tensor(reader, "rope_freqs.weight")
     if freqs is not None:
-        out["rope_freq_factors"] = np.asarray(freqs.data, dtype=float).tolist()
+        out["rope_freq_factors"] = freqs.tolist()
     return out
 
 
@@ -119,7 +121,7 @@ def sliding_window(reader) -> int | None:
 
 def tensor_types(reader) -> Counter:
     """Weight matrices (2-D tensors) by storage type name, e.g. ``{"Q4_K": 169, "Q6_K": 29}``."""
-    return Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)
+    return reader.type_counts()
 
 
 # What each runtime dtype does to a file's weight matrices: the storage types it keeps exactly,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.loading import LazyWeights, LoadedModel, release_freed_memory
+from specdec.models.loading import LoadedModel, content_sha256, release_freed_memory
 from specdec.runtime import q4
 from specdec.runtime.head import DraftHead, HeadConfig
 
@@ -44,15 +44,7 @@ def identity(name_or_path: str) -> str | None:
     path = Path(name_or_path).expanduser()
     if not (path.is_file() and path.suffix == ".gguf"):
         return None
-    memo = registry.home() / "sha256" / f"{path.stem}-{cache.fingerprint([path], str(path.resolve()))}"
-    try:
-        return memo.read_text().strip()
-    except OSError:
-        pass
-    digest = registry.sha256_of(path)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_atomic(memo, lambda tmp: tmp.write_text(digest))
-    return digest
+    return content_sha256(path)
 
 
 def shipped(name_or_path: str) -> Path | None:
@@ -90,7 +82,7 @@ def frequent_ids(head: Path | None, vocab_size: int, size: int) -> torch.Tensor:
 def output_rows(target: LoadedModel, ids: torch.Tensor | None = None) -> torch.Tensor:
     """The target's output layer in fp32, read from its weights on disk: all ``[V, E]``, or only
     the rows ``ids`` (read in chunks, so a head load never holds the whole matrix)."""
-    weights = LazyWeights(target.source_dir)
+    weights = target.weights
     name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
     return weights[name].float() if ids is None else weights.rows(name, ids)
 

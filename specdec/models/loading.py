@@ -1,18 +1,25 @@
-"""Load a model by registry name, GGUF file or Hugging Face directory; convert GGUF once, cache it.
+"""Load a model by registry name, GGUF file or Hugging Face directory, in place.
 
-GGUF files are dequantized by transformers' GGUF loader (which also rebuilds the tokenizer). That
-takes 20-100 s, so it is done once: the result is written as a Hugging Face directory
-(``config.json``, ``model.safetensors``, tokenizer files) under ``$SPECDEC_HOME/converted/`` and
-every later load reads that directory in seconds. Nothing is ever fetched from a hub.
+A GGUF file is used as llama.cpp uses it (:mod:`specdec.models.gguf_file`): its header is parsed,
+its bytes memory-mapped, and each weight matrix handed to the kernels as stored (Q4_K and Q6_K
+blocks repacked, one matrix at a time, into the kernels' tile layout: the file's codes and
+scales, about the file's bytes; the mapped pages of each repacked matrix are dropped). Nothing is
+dequantized to fp32 except the tensors of types without a kernel yet, one tensor at a time, and
+the embedding rows a step looks up. Nothing is fetched from a hub.
 
-Every derived file follows :mod:`specdec.cache`: content keys, atomic writes, one builder
-at a time, and one rebuild when a cache turns out to be damaged.
+What is derived and kept (:mod:`specdec.cache`: atomic writes, one builder at a time, one
+rebuild when damaged) is small and keyed by the file's content (its sha256, computed once and
+remembered by path, size and mtime): the config and tokenizer transformers' GGUF reader builds
+from the file's metadata (20 s the first time a file is seen; then read in a second), under
+``$SPECDEC_HOME/models/<sha256[:16]>``. Earlier versions' ``converted/`` (fp32 directories) and
+``quantized/`` (repacked weights) are removed on first run, saying how much disk that freed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
+import struct
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -23,23 +30,23 @@ import torch
 
 from specdec import cache
 from specdec.models import gguf_meta, registry
-from specdec.models.gguf_q4k import GGUFTensors, Q4KTensors
+from specdec.models.gguf_file import GGUFFile, GGUFFormatError, RowEmbedding
 from specdec.models.calibration import cached_calibration
 from specdec.runtime.config import ModelConfig, UnsupportedModel
 from specdec.runtime.linear import DEFAULT_DTYPE, DTYPE_CHOICES, FAST_DTYPE
 from specdec.runtime.model import Transformer
 
 # Bump a format when its quantized layout or recipe changes (it is part of the cache key).
-QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2", "q4k": "q4k-sb256-u8s8-f16-tiles16-gguf-exact-v1",
-                "gguf": "gguf-q4k-q6k6-f32-v2"}
-DONE = "done"  # marker written last into a converted directory: its files and their sizes
-# Bump when a conversion's output changes for the same file (part of a user file's conversion key):
-# v2 reads the rope settings transformers' reader drops (gguf_meta.rope_settings).
-CONVERSION = "gguf-conversion-v2"
+QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2", "q4k": "q4k-sb256-u8s8-f16-tiles16-gguf-exact-v1"}
+DONE = "done"  # marker written last into a derived directory: its files and their sizes
+# Bump when what is derived from a file's metadata changes (part of the metadata directory's key).
+METADATA = "gguf-metadata-v1"
+LEGACY = ("converted", "quantized")  # earlier versions' fp32 conversions and repacked weights
+CONTEXT = 4096  # the context the memory check prices the KV cache at, unless told another
 
 
 class ModelLoadError(RuntimeError):
-    """A model that cannot be read or converted (damaged file, unsupported format)."""
+    """A model that cannot be read (damaged file, unsupported format) or does not fit in memory."""
 
 
 @dataclass
@@ -47,26 +54,20 @@ class LoadedModel:
     name: str
     model: Transformer
     tokenizer: object  # a transformers tokenizer
-    source_dir: Path
+    source: Path  # the GGUF file, or the Hugging Face directory
+    meta_dir: Path  # config.json and the tokenizer's files (the directory itself for a Hugging Face one)
+    weights: Mapping  # parameter name -> fp32 tensor, read one tensor at a time; .rows(name, ids)
     load_seconds: float
-    precision: str = ""  # what the runtime multiplies, e.g. "q4k: Q4_K kept exactly; Q6_K re-quantized to 4 bits (q4k)"
+    precision: str = ""  # what the runtime multiplies, e.g. "gguf: the stored weights exactly (...)"
+    sha256: str | None = None  # a GGUF file's content
 
-
-def _converted_dir(key: str) -> Path:
-    return registry.home() / "converted" / key
-
-
-def converted_dir_for(spec: registry.ModelSpec) -> Path:
-    return _converted_dir(f"{spec.name}-{spec.sha256[:12]}")
-
-
-def _gguf_dir_for(path: Path) -> Path:
-    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
-    return _converted_dir(f"{path.stem}-{key}-{cache.fingerprint([path], CONVERSION)}")
+    @property
+    def gguf(self) -> Path | None:
+        return self.source if self.source.is_file() else None
 
 
 def is_converted(out: Path) -> bool:
-    """Whether ``out`` is a complete conversion: its marker lists every file with its size."""
+    """Whether ``out`` is a complete derived directory: its marker lists every file with its size."""
     try:
         files = json.loads((out / DONE).read_text())["files"]
         return all((out / name).stat().st_size == size for name, size in files.items())
@@ -74,29 +75,62 @@ def is_converted(out: Path) -> bool:
         return False
 
 
-def _resolve(name_or_path: str, install: bool) -> tuple[Path, Path | None]:
-    """The Hugging Face directory to load, and the GGUF file it was converted from (None for a
-    user's own directory, which is never rebuilt)."""
+def _write_done(directory: Path, source: Path, **extra) -> None:
+    files = {f.name: f.stat().st_size for f in directory.iterdir() if f.is_file()}
+    (directory / DONE).write_text(json.dumps({"source": str(source), "made_at": time.time(), "files": files, **extra}))
+
+
+def content_sha256(path: Path) -> str:
+    """The sha256 of a file, computed once and remembered by its path, size and mtime (hashing a
+    4.7 GB file takes ~5 s; the memo is read in a millisecond)."""
+    path = Path(path)
+    memo = registry.home() / "sha256" / f"{path.stem}-{cache.fingerprint([path], str(path.resolve()))}"
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    if path.stat().st_size > 1 << 30:
+        cache.notice(f"hashing {path.name} once ({path.stat().st_size / 1e9:.1f} GB), to key what specdec derives from it")
+    digest = registry.sha256_of(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_atomic(memo, lambda tmp: tmp.write_text(digest))
+    return digest
+
+
+def remove_legacy() -> int:
+    """Remove earlier versions' ``converted/`` and ``quantized/`` caches (once), saying how much
+    disk that freed; returns the bytes freed."""
+    freed = 0
+    for name in LEGACY:
+        root = registry.home() / name
+        if root.is_dir():
+            freed += disk_usage(root)
+            cache.remove(root)
+    if freed:
+        cache.notice(f"removed the fp32 conversions and repacked weights of earlier specdec versions "
+                     f"({', '.join(LEGACY)}): {freed / 1e9:.2f} GB freed (GGUF files now load in place)")
+    return freed
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes under ``path`` (a file or a tree)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _resolve(name_or_path: str, install: bool) -> tuple[Path, str | None]:
+    """The GGUF file or Hugging Face directory to load, and a GGUF file's sha256 where known."""
     spec = registry.resolve(name_or_path)
     if spec is not None:
-        out = converted_dir_for(spec)
-        if not is_converted(out):
-            if not spec.installed() and not install:
-                raise FileNotFoundError(
-                    f"model {spec.name!r} is not installed: run `specdec models install {spec.name}`"
-                )
-            registry.install(spec)  # re-checks the assembled file's sha256, re-assembles if damaged
-        return convert_gguf(spec.gguf_path, out), spec.gguf_path
+        if not spec.installed():
+            if not install:
+                raise FileNotFoundError(f"model {spec.name!r} is not installed: run `specdec models install {spec.name}`")
+            registry.install(spec)  # checks the assembled file's sha256
+        return spec.gguf_path, spec.sha256
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        _check_gguf(path)  # damaged or unsupported: refused before anything is written to the cache
-        out = convert_gguf(path, _gguf_dir_for(path))
-        prefix = out.name.rsplit("-", 1)[0]
-        for old in out.parent.glob(f"{prefix}-*"):  # conversions of this path's earlier contents
-            if old != out and old.is_dir():
-                with cache.build_lock(old):
-                    cache.remove(old)
-        return out, path
+        return path, None
     if path.is_dir() and (path / "config.json").is_file():
         return path, None
     known = ", ".join(sorted(registry.MODELS) + sorted(registry.ALIASES))
@@ -105,71 +139,95 @@ def _resolve(name_or_path: str, install: bool) -> tuple[Path, Path | None]:
     )
 
 
-def source_dir(name_or_path: str, *, install: bool = False) -> Path:
-    """The Hugging Face directory for a registry name, a GGUF file, or an HF directory."""
+def source_path(name_or_path: str, *, install: bool = False) -> Path:
+    """The GGUF file or Hugging Face directory a name stands for."""
     return _resolve(name_or_path, install)[0]
 
 
-def convert_gguf(gguf: Path, out: Path) -> Path:
-    """Dequantize ``gguf`` into an HF directory ``out`` (once; later calls return at once)."""
-    def build(tmp: Path) -> None:
-        _write_done(_convert(gguf, tmp, out), gguf)
+def metadata_for(name_or_path: str, *, install: bool = False) -> Path:
+    """The directory with a model's config.json and tokenizer (built once for a GGUF file)."""
+    source, sha256 = _resolve(name_or_path, install)
+    if source.is_dir():
+        return source
+    return metadata_dir(open_gguf(source), sha256 or content_sha256(source))
 
-    return cache.ensure(out, lambda: is_converted(out), build, f"the conversion of {gguf.name}")
 
-
-def _check_gguf(gguf: Path) -> None:
-    """Read ``gguf``'s header, metadata and tensor table (no weights): ModelLoadError if it is
-    damaged, truncated or not a GGUF file; UnsupportedModel if its conversion would drop
-    something the model needs (:func:`specdec.models.gguf_meta.check`)."""
-    from gguf import GGUFReader
-
+def open_gguf(path: Path) -> GGUFFile:
+    """``path`` opened in place: ModelLoadError if it is damaged, truncated or not a GGUF file;
+    UnsupportedModel if its model cannot be computed exactly (:func:`gguf_meta.check`)."""
     try:
-        reader = GGUFReader(str(gguf))
-        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read {gguf}: damaged or not a supported GGUF model ({cache.brief(exc)})") from exc
-    if end > gguf.stat().st_size:
-        raise ModelLoadError(f"cannot read {gguf}: truncated ({gguf.stat().st_size} bytes, its tensors need {end})")
-    gguf_meta.check(reader, gguf)
+        file = GGUFFile(path)
+    except (GGUFFormatError, OSError, ValueError, struct.error) as exc:
+        raise ModelLoadError(f"cannot read {path}: damaged or not a supported GGUF model ({cache.brief(exc)})") from exc
+    gguf_meta.check(file, path)
+    return file
 
 
-def _write_done(directory: Path, gguf: Path) -> None:
-    files = {f.name: f.stat().st_size for f in directory.iterdir() if f.is_file()}
-    (directory / DONE).write_text(json.dumps({"gguf": str(gguf), "converted_at": time.time(), "files": files}))
+def metadata_dir(file: GGUFFile, sha256: str) -> Path:
+    """The directory holding ``file``'s config.json and tokenizer, built once from its metadata by
+    transformers' GGUF reader (no weights are read) and keyed by the file's content."""
+    out = registry.home() / "models" / f"{sha256[:16]}-{METADATA}"
+
+    def build(tmp: Path) -> None:
+        _write_metadata(file, tmp)
+        _write_done(tmp, file.path, sha256=sha256, parameters=parameter_count(file))
+
+    return cache.ensure(out, lambda: is_converted(out), build, f"the config and tokenizer of {file.path.name}")
 
 
-def _convert(gguf: Path, tmp: Path, out: Path | None = None) -> Path:
-    """Write the Hugging Face directory ``tmp`` (to become ``out``) from ``gguf``; returns ``tmp``."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _write_metadata(file: GGUFFile, tmp: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
 
-    _check_gguf(gguf)  # a damaged file fails here, before the notice promises a conversion
-    cache.notice(f"converting {gguf.name} once (dequantize + tokenizer); later loads use {out or tmp}")
+    gguf = file.path
+    cache.notice(f"reading {gguf.name}'s config and tokenizer once (later loads read them from the cache)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    except MemoryError:
+        raise
     except Exception as exc:  # the GGUF reader fails in many ways (struct.error, KeyError, ValueError)
         raise ModelLoadError(f"cannot read {gguf}: damaged or not a supported GGUF model ({cache.brief(exc)})") from exc
     tmp.mkdir(parents=True)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if hf.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"))
-    hf.config.__dict__.pop("quantization_config", None)  # the weights are now plain fp32
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf))
-    for key, value in gguf_meta.rope_settings(reader).items():  # what transformers' reader drops
-        setattr(hf.config, key, value)
-    if (getattr(hf.config, "sliding_window", None) is not None and getattr(hf.config, "layer_types", None) is None
-            and gguf_meta.sliding_window(reader) is None):
-        hf.config.sliding_window = None  # a window the file does not store is a config default (Mistral's 4096), not the model's
-    hf.config.save_pretrained(str(tmp))
+    config.__dict__.pop("quantization_config", None)
+    for key, value in gguf_meta.rope_settings(file).items():  # what transformers' reader drops
+        setattr(config, key, value)
+    if (getattr(config, "sliding_window", None) is not None and getattr(config, "layer_types", None) is None
+            and gguf_meta.sliding_window(file) is None):
+        config.sliding_window = None  # a window the file does not store is a config default (Mistral's 4096), not the model's
+    config.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
-    return tmp
+
+
+def parameter_count(file: GGUFFile) -> int:
+    total = 0
+    for info in file.tensors.values():
+        count = 1
+        for n in info.shape:
+            count *= n
+        total += count
+    return total
+
+
+class GGUFWeights(Mapping):
+    """Parameter name -> fp32 tensor over a GGUF file, dequantized on access, one tensor at a time."""
+
+    def __init__(self, file: GGUFFile) -> None:
+        self.file = file
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.file.tensor(name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.file.has(name)
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.file.rows(name, ids)
+
+    def __iter__(self):
+        raise TypeError("a GGUF file's weights are read by name")
+
+    def __len__(self) -> int:
+        return len(self.file.tensors)
 
 
 class LazyWeights(Mapping):
@@ -229,30 +287,23 @@ def content_key(directory: Path, *extra: str) -> str:
     return cache.fingerprint([f for f in directory.iterdir() if f.is_file() and f.name != DONE], *extra)
 
 
-def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "LazyWeights", tokenizer,
-                     gguf: Path | None = None) -> Transformer:
-    """The int8 or 4-bit model of ``directory``, from its on-disk cache (built on first use).
-    ``gguf``: the file ``directory`` was converted from; q4k keeps its Q4_K tensors exactly."""
+def _quantized_model(key: str, label: str, dtype: str, cfg: ModelConfig, weights: Mapping, tokenizer,
+                     grids=None) -> Transformer:
+    """The int8 or 4-bit model of weights whose content has ``key``, from its on-disk cache
+    (``$SPECDEC_HOME/layers``, built on first use). ``grids``: a GGUF file, whose Q4_K tensors q4k
+    keeps exactly."""
     from safetensors.torch import load_file, save_file
 
-    path_key = hashlib.sha256(f"{directory.resolve()}:{dtype}".encode()).hexdigest()[:8]
-    target = registry.home() / "quantized" / f"{path_key}-{content_key(directory, QUANT_FORMAT[dtype])}.safetensors"
+    target = registry.home() / "layers" / f"{key}-{dtype}-{QUANT_FORMAT[dtype]}.safetensors"
     built: list[Transformer] = []
 
     def build(tmp: Path) -> None:
-        cache.notice(f"quantizing {directory.name} to {dtype} once; cached at {target}")
-        act_absmax = cached_calibration(directory, content_key(directory), cfg, weights, tokenizer) if dtype == "int8" else None
-        grids = (GGUFTensors(gguf, cfg.num_heads, cfg.num_kv_heads) if dtype == "gguf"
-                 else Q4KTensors(gguf) if dtype == "q4k" and gguf is not None else None)
-        model = Transformer(cfg, weights, dtype, act_absmax, grids=grids)
+        cache.notice(f"quantizing {label} to {dtype} once; cached at {target}")
+        act_absmax = cached_calibration(Path(label), key, cfg, weights, tokenizer) if dtype == "int8" else None
+        model = Transformer(cfg, weights, dtype, act_absmax, grids=None if grids is None else _Q4KOnly(grids))
         save_file(model.quantized_state, str(tmp))
         model.quantized_state = {}
         built.append(model)
-        for old in target.parent.glob(f"{path_key}-*.safetensors"):  # caches of older weights
-            cache.remove(old)
-        for legacy in target.parent.glob("*.safetensors"):  # specdec 0.1's path-keyed names
-            if len(legacy.stem) == 16 and "-" not in legacy.stem:
-                cache.remove(legacy)
 
     def read(path: Path) -> Transformer:
         return built.pop() if built else Transformer(cfg, weights, dtype, quantized=load_file(str(path)))
@@ -260,78 +311,146 @@ def _quantized_model(directory: Path, dtype: str, cfg: ModelConfig, weights: "La
     return cache.cached(target, build, read, f"the {dtype} cache")
 
 
+class _Q4KOnly:
+    """A GGUF file's Q4_K grids by parameter name (None for other types): what q4k keeps exactly."""
+
+    def __init__(self, file: GGUFFile) -> None:
+        self.file = file
+
+    def get(self, name: str):
+        from specdec.runtime.q4 import Q4KGrid
+
+        grid = self.file.grid(name) if self.file.has(name) else None
+        return grid if isinstance(grid, Q4KGrid) else None
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def _load_directory(directory: Path, dtype: str, gguf: Path | None = None) -> tuple[Transformer, object]:
+def _config_and_tokenizer(directory: Path) -> tuple[ModelConfig, object]:
     from transformers import AutoConfig, AutoTokenizer
 
     if not any((directory / f).is_file() for f in TOKENIZER_FILES):
         raise ModelLoadError(f"{directory} has no tokenizer: a model directory needs its tokenizer files "
                              f"({', '.join(TOKENIZER_FILES)}) next to the weights")
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(directory), local_files_only=True))
+    return cfg, AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+
+def _load_directory(directory: Path, dtype: str) -> tuple[Transformer, object, Mapping]:
+    cfg, tokenizer = _config_and_tokenizer(directory)
     weights = LazyWeights(directory)
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     if dtype in QUANT_FORMAT:
-        return _quantized_model(directory, dtype, cfg, weights, tokenizer, gguf), tokenizer
-    return Transformer(cfg, weights, dtype), tokenizer
+        key = content_key(directory)
+        return _quantized_model(key, str(directory), dtype, cfg, weights, tokenizer), tokenizer, weights
+    return Transformer(cfg, weights, dtype), tokenizer, weights
+
+
+def _load_gguf(file: GGUFFile, meta: Path, dtype: str, sha256: str, context: int) -> tuple[Transformer, object, Mapping]:
+    """The model of a GGUF file, its weights in place (the ``gguf`` dtype) or lowered as asked."""
+    from specdec.models import memory
+
+    cfg, tokenizer = _config_and_tokenizer(meta)
+    memory.check(file, cfg, dtype, context)  # refuses before anything large is allocated
+    weights = GGUFWeights(file)
+    embed_name = "model.embed_tokens.weight"
+    if dtype == "gguf":
+        model = Transformer(cfg, weights, dtype, grids=file, embed=RowEmbedding(file, embed_name))
+    elif dtype in QUANT_FORMAT:
+        model = _quantized_model(sha256[:16], file.path.name, dtype, cfg, weights, tokenizer, grids=file)
+    else:
+        model = Transformer(cfg, weights, dtype)
+    return model, tokenizer, weights
 
 
 def resolve_dtype(dtype: str, gguf: Path | None, role: str = "target") -> str:
-    """``auto``: a GGUF target at its file's own precision (``gguf``) where this CPU runs its
-    kernels, anything else at the fast default (:data:`specdec.runtime.linear.FAST_DTYPE`): a
-    draft model's precision changes how often its drafts are accepted, never the output."""
+    """``auto``: a GGUF file at its own precision (``gguf``: every tensor in place) where this CPU
+    runs its kernels, for a target and a draft alike; anything else at the fast default
+    (:data:`specdec.runtime.linear.FAST_DTYPE`)."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     if dtype == "gguf" and gguf is None:
         raise ValueError("dtype 'gguf' (each tensor at its stored type) needs a GGUF file as the model")
     if dtype != DEFAULT_DTYPE:
         return dtype
-    return "gguf" if gguf is not None and role == "target" and FAST_DTYPE == "q4k" else FAST_DTYPE
+    return "gguf" if gguf is not None and FAST_DTYPE == "q4k" else FAST_DTYPE
 
 
-def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False, role: str = "target") -> LoadedModel:
+def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False, role: str = "target",
+         context: int = CONTEXT) -> LoadedModel:
     """Load a model for inference (``dtype``: see :func:`resolve_dtype`; ``role``: "target" or
-    "draft"). Quantized layers are cached on disk after the first build, so a second load reads
-    them and only repacks them for the kernel.
-
-    A converted directory that cannot be read is converted again once (saying so on stderr); a
-    user's own directory that cannot be read is a :class:`ModelLoadError`."""
+    "draft"; ``context``: the tokens a row may hold, for the memory check). A GGUF file is used in
+    place; a model that cannot fit in memory is refused before loading, with both figures."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     start = time.perf_counter()
-    directory, gguf = _resolve(name_or_path, install)
+    remove_legacy()
+    source, sha256 = _resolve(name_or_path, install)
+    gguf = source if source.is_file() else None
     dtype = resolve_dtype(dtype, gguf, role)
     try:
-        model, tokenizer = _load_directory(directory, dtype, gguf)
-    except UnsupportedModel:  # a model specdec cannot compute exactly: refused, never converted again
+        if gguf is not None:
+            file = open_gguf(gguf)
+            sha256 = sha256 or content_sha256(gguf)
+            meta = metadata_dir(file, sha256)
+            model, tokenizer, weights = _load_gguf(file, meta, dtype, sha256, context)
+            types = file.type_counts()
+        else:
+            meta = source
+            model, tokenizer, weights = _load_directory(source, dtype)
+            types = LazyWeights(source).matrix_types()
+    except (UnsupportedModel, ModelLoadError):
         raise
-    except Exception as exc:  # anything unreadable in the directory
-        if gguf is None:
-            if isinstance(exc, ModelLoadError):
-                raise
-            raise ModelLoadError(f"cannot load the model in {directory}: {cache.brief(exc)}") from exc
-        cache.notice(f"the converted model in {directory} is damaged ({cache.brief(exc)}); converting again")
-        with cache.build_lock(directory):
-            cache.remove(directory)
-        directory, gguf = _resolve(name_or_path, install=True)  # re-checks a registry GGUF's sha256
-        model, tokenizer = _load_directory(directory, dtype, gguf)
+    except MemoryError as exc:  # never reported as a damaged file
+        from specdec.models import memory
+
+        raise ModelLoadError(memory.out_of_memory(source, exc)) from exc
+    except Exception as exc:  # anything unreadable
+        raise ModelLoadError(f"cannot load the model in {source}: {cache.brief(exc)}") from exc
     spec = registry.resolve(name_or_path)
     name = spec.name if spec else str(name_or_path)
-    precision, lowered = gguf_meta.precision(_stored_types(directory, gguf), dtype)
+    precision, lowered = gguf_meta.precision(types, dtype)
     if lowered:  # never silently: one line on what is lowered, and how to run the file as stored
         cache.notice(f"{Path(name).name} runs at {precision} (--dtype float32 multiplies the stored weights)")
     release_freed_memory()
-    return LoadedModel(name, model, tokenizer, directory, time.perf_counter() - start, precision)
+    return LoadedModel(name, model, tokenizer, source, meta, weights, time.perf_counter() - start, precision, sha256)
 
 
-def _stored_types(directory: Path, gguf: Path | None) -> Counter:
-    """The source's weight matrices by storage type: the GGUF file's, else the directory's."""
-    if gguf is not None:
-        from gguf import GGUFReader
+def hf_directory(loaded: "LoadedModel | str") -> Path:
+    """A Hugging Face directory of a model's weights (a loaded one, or a name or path), for the
+    peers that need one (transformers' ``generate()``, vLLM): a GGUF file is dequantized by
+    transformers once, into ``$SPECDEC_HOME/peers`` (fp32: 4 bytes a weight; ``specdec models
+    clear-cache`` removes it). specdec itself never reads it."""
+    if isinstance(loaded, str):
+        source, sha256 = _resolve(loaded, install=True)
+        if source.is_dir():
+            return source
+        sha256 = sha256 or content_sha256(source)
+        return _peer_copy(source, sha256, metadata_dir(open_gguf(source), sha256))
+    return loaded.source if loaded.gguf is None else _peer_copy(loaded.source, loaded.sha256, loaded.meta_dir)
 
-        return gguf_meta.tensor_types(GGUFReader(str(gguf)))
-    return LazyWeights(directory).matrix_types()
+
+def _peer_copy(source: Path, sha256: str, meta_dir: Path) -> Path:
+    out = registry.home() / "peers" / f"{sha256[:16]}-hf"
+
+    def build(tmp: Path) -> None:
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        cache.notice(f"dequantizing {source.name} for the transformers/vLLM peers, once; at {out}")
+        hf = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name,
+                                                  dtype=torch.float32, local_files_only=True)
+        tmp.mkdir(parents=True)
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        if hf.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"))
+        for f in meta_dir.iterdir():  # our config (with the rope settings) and tokenizer
+            if f.is_file() and f.name != DONE:
+                (tmp / f.name).write_bytes(f.read_bytes())
+        _write_done(tmp, source)
+
+    return cache.ensure(out, lambda: is_converted(out), build, f"the peers' copy of {source.name}")
 
 
 def release_freed_memory() -> None:

@@ -10,10 +10,10 @@ q and k as Q4_K, v as Q6_K). Each part is built from the file's own blocks:
   notice say which tensors run so).
 
 Consecutive parts of one kind form one layer; a layer of several kinds runs each and concatenates
-the outputs (each part is batch invariant, so the whole is). A part's weights are checked against
-the dequantized weights it must reproduce: a file whose blocks do not is an error, never silently
-re-quantized. A layer that is not the file's (a draft head's, a pruned output view) has no parts
-in the file and is built as ``q4k``.
+the outputs (each part is batch invariant, so the whole is). The blocks are read from the file in
+place (:mod:`specdec.models.gguf_file`) and repacked in row chunks: no weight matrix of a kernel's
+type is ever dequantized. A layer that is not the file's (a draft head's, a pruned output view)
+has no parts in the file and is built as ``q4k``.
 """
 
 from __future__ import annotations
@@ -44,38 +44,69 @@ class ConcatLinear(torch.nn.Module):
         return torch.cat([part.forward(x) for part in self.parts], -1)
 
 
-def segment_states(weight: torch.Tensor, bias: torch.Tensor | None,
-                   grids: list[tuple[int, object]]) -> list[tuple[str, dict[str, torch.Tensor]]]:
-    """``weight`` ``[N, K]`` fp32 (the dequantized file weights of consecutive parts) and its parts'
-    ``(rows, grid or None)`` -> ``[(kind, state)]``, one per run of parts of one kind."""
-    runs: list[tuple[str, int, int, list]] = []  # kind, first row, end row, grids
+def from_file(file, parts: tuple[tuple[str, int], ...], bias: torch.Tensor | None) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """The layer made of ``parts`` (``(parameter name, rows)``, in order) of a GGUF ``file``
+    (:class:`specdec.models.gguf_file.GGUFFile`) -> ``[(kind, state)]``, one per run of parts of
+    one kind. Q4_K and Q6_K parts are repacked from the file's blocks a row chunk at a time (never
+    dequantized), and each part's mapped pages are dropped once repacked."""
+    runs: list[tuple[str, int, int, list[str]]] = []  # kind, first row, end row, part names
     at = 0
-    for rows, grid in grids:
-        kind = kind_of(grid)
-        if grid is not None and not torch.equal(grid.dequantize(), weight[at : at + rows]):
-            raise ValueError(f"a {kind} tensor's blocks do not reproduce its dequantized weights")
+    for name, rows in parts:
+        kind = {"Q4_K": "q4k", "Q6_K": "q6k"}.get(file.type_of(name), "float")
         if runs and runs[-1][0] == kind:
-            runs[-1] = (kind, runs[-1][1], at + rows, runs[-1][3] + [(rows, grid)])
+            runs[-1] = (kind, runs[-1][1], at + rows, runs[-1][3] + [name])
         else:
-            runs.append((kind, at, at + rows, [(rows, grid)]))
+            runs.append((kind, at, at + rows, [name]))
         at += rows
     out = []
-    for kind, lo, hi, parts in runs:
+    for kind, lo, hi, names in runs:
         b = None if bias is None else bias[lo:hi]
-        out.append((kind, _state(kind, weight[lo:hi], b, parts)))
+        if kind == "float":  # no kernel for this type yet: its exact values, one tensor at a time
+            out.append((kind, {"weight": torch.cat([file.tensor(n) for n in names]), **({} if b is None else {"bias": b.float()})}))
+        else:
+            out.append((kind, _packed_run(file, kind, names, b)))
+        for n in names:
+            file.forget(n)
     return out
 
 
-def _state(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, parts: list) -> dict[str, torch.Tensor]:
+def _packed_run(file, kind: str, names: list[str], bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Consecutive Q4_K (or Q6_K) parts as one packed layer: tiles of 16 rows are independent, so
+    each part is packed in chunks of rows into one preallocated tensor (a part whose rows are not a
+    multiple of 16 is only allowed last: its padding ends the layer)."""
+    from specdec.models.gguf_file import ROW_CHUNK
+
+    rows = [file.tensors[file.gguf_name(n)].shape[0] for n in names]
+    cols = file.tensors[file.gguf_name(names[0])].shape[1]
+    if any(r % q4.TILE for r in rows[:-1]):  # odd part sizes mid-layer: decode whole parts and concatenate
+        return _pack(kind, [file.grid(n) for n in names], bias, cols)
+    total = sum(rows)
+    packed, tile = None, 0
+    for n, r in zip(names, rows):
+        for lo in range(0, r, ROW_CHUNK):
+            piece = _pack(kind, [file.grid(n, lo, min(r, lo + ROW_CHUNK))], None, cols)["packed"]  # [tiles, bytes]
+            if packed is None:
+                packed = torch.empty(-(-total // q4.TILE), piece.shape[1], dtype=torch.uint8)
+            packed[tile : tile + piece.shape[0]] = piece
+            tile += piece.shape[0]
+    state = {"packed": packed, "out_features": torch.tensor(total)}
     if kind == "q4k":
-        return q4.quantize_q4k(weight, bias, parts)
-    if kind == "q6k":
-        grid = Q6KGrid(*(torch.cat([getattr(g, f) for _, g in parts]) for f in ("u", "sc", "d")))
-        return q6k.pack(grid, bias)
-    state = {"weight": weight.float().contiguous()}
+        state["in_features"] = torch.tensor(cols)
     if bias is not None:
-        state["bias"] = bias.float()
+        state["bias"] = torch.cat([bias.float(), bias.new_zeros(packed.shape[0] * q4.TILE - total).float()])
     return state
+
+
+def _pack(kind: str, grids: list, bias: torch.Tensor | None, cols: int) -> dict[str, torch.Tensor]:
+    """Grids of one kind, concatenated by rows -> that kernel's state."""
+    import dataclasses
+
+    cls = type(grids[0])
+    grid = grids[0] if len(grids) == 1 else cls(**{f.name: torch.cat([getattr(g, f.name) for g in grids])
+                                                   for f in dataclasses.fields(cls)})
+    if kind == "q6k":
+        return q6k.pack(grid, bias)
+    return q4.pack_q4k_grid(grid, bias, cols)
 
 
 def layer(kind: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -84,26 +115,6 @@ def layer(kind: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     if kind == "q6k":
         return q6k.Q6KLinear(state)
     return FloatLinear(state["weight"], state.get("bias"), torch.float32)
-
-
-def export(name: str, segments: list[tuple[str, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """A layer's segments as flat tensors for the on-disk cache (:func:`from_cache` reads them)."""
-    out = {f"{name}.kinds": torch.tensor([KINDS.index(kind) for kind, _ in segments])}
-    for i, (_, state) in enumerate(segments):
-        out.update({f"{name}.s{i}.{key}": value for key, value in state.items()})
-    return out
-
-
-def from_cache(name: str, cached: dict[str, torch.Tensor]) -> list[tuple[str, dict[str, torch.Tensor]]] | None:
-    """The segments :func:`export` stored for ``name``, or None."""
-    kinds = cached.get(f"{name}.kinds")
-    if kinds is None:
-        return None
-    segments = []
-    for i, code in enumerate(kinds.tolist()):
-        prefix = f"{name}.s{i}."
-        segments.append((KINDS[code], {k[len(prefix):]: v for k, v in cached.items() if k.startswith(prefix)}))
-    return segments
 
 
 def module(segments: list[tuple[str, dict[str, torch.Tensor]]]) -> torch.nn.Module:

@@ -182,23 +182,13 @@ class LinearBuilder:
 
     def _gguf(self, name: str, weight_fn, bias_fn, parts) -> torch.nn.Module:
         """A layer of the ``gguf`` dtype (:mod:`specdec.runtime.gguf_linear`): each part at its
-        stored type; a layer that is not the file's (no grids, no parts) is built as q4k."""
+        stored type, from the file's own blocks; a layer that is not the file's (no file, no
+        parts: a draft head's) is built as q4k."""
         from specdec.runtime import gguf_linear
 
-        segments = gguf_linear.from_cache(name, self.quantized) if self.quantized is not None else None
-        if segments is None:
-            if self.quantized is not None and f"{name}.packed" in self.quantized:  # a q4k layer (not the file's)
-                return q4.Q4Linear({k[len(name) + 1:]: v for k, v in self.quantized.items() if k.startswith(name + ".")})
-            if self.quantized is not None:
-                raise KeyError(f"quantized cache has no layer {name!r}")
-            if self.grids is None or not parts:
-                state = q4.quantize_q4k(weight_fn(), bias_fn())
-                self.exported.update({f"{name}.{k}": v for k, v in state.items()})
-                return q4.Q4Linear(state)
-            grids = [(rows, self.grids.get(part)) for part, rows in parts]
-            segments = gguf_linear.segment_states(weight_fn().float(), bias_fn(), grids)
-            self.exported.update(gguf_linear.export(name, segments))
-        return gguf_linear.module(segments)
+        if self.grids is None or not parts:
+            return q4.Q4Linear(q4.quantize_q4k(weight_fn(), bias_fn()))
+        return gguf_linear.module(gguf_linear.from_file(self.grids, parts, bias_fn()))
 
 
 def activation_dtype(dtype: str) -> torch.dtype:

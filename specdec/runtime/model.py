@@ -192,13 +192,17 @@ class Transformer(torch.nn.Module):
         act_absmax: dict[str, torch.Tensor] | None = None,
         quantized: dict[str, torch.Tensor] | None = None,
         grids=None,
+        embed=None,
     ) -> None:
         """``weights``: a mapping of Hugging Face parameter names (read lazily where possible).
         ``act_absmax``: per-linear calibrated max |input| per channel (int8 outlier smoothing),
         keyed ``layers.{i}.{qkv,o,gate_up,down}`` and ``lm_head``; see :mod:`specdec.runtime.linear`.
         ``quantized``: int8 layers from the on-disk cache (``self.quantized_state`` of an earlier build).
         ``grids``: q4k only, the exact 4-bit grids of the source file's tensors by parameter name
-        (:class:`specdec.models.gguf_q4k.Q4KTensors`), used where they reproduce the weights."""
+        (``.get(name)``), used where they reproduce the weights; gguf: the GGUF file itself
+        (:class:`specdec.models.gguf_file.GGUFFile`), whose matrices are used as stored.
+        ``embed``: the embedding table where it is not ``weights``' fp32 tensor (a GGUF file's
+        rows, dequantized as they are looked up: :class:`specdec.models.gguf_file.RowEmbedding`)."""
         super().__init__()
         if cfg.head_dim % attention.LANES:
             raise ValueError(f"head_dim {cfg.head_dim} is not a multiple of {attention.LANES}, which the attention kernel needs")
@@ -207,7 +211,8 @@ class Transformer(torch.nn.Module):
         linear = LinearBuilder(dtype, act_absmax, quantized, grids)
         self.cfg, self.dtype_name = cfg, dtype
         self.act_dtype = activation_dtype(dtype)
-        self.embed = weights["model.embed_tokens.weight"].to(self.act_dtype)  # [V, E]
+        embed = weights["model.embed_tokens.weight"] if embed is None else embed
+        self.embed = embed.to(self.act_dtype)  # [V, E]: embed[tokens] -> [B, T, E]
         self.embed_scale = math.sqrt(cfg.hidden_size) if cfg.is_gemma else None
         self.blocks = torch.nn.ModuleList(
             Block(cfg, weights, f"model.layers.{i}.", dtype, i, linear) for i in range(cfg.num_layers)

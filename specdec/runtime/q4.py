@@ -269,6 +269,20 @@ def quantize_q4k(weight: torch.Tensor, bias: torch.Tensor | None = None,
     return state
 
 
+def pack_q4k_grid(grid: Q4KGrid, bias: torch.Tensor | None, in_features: int) -> dict[str, torch.Tensor]:
+    """A grid taken as it is (a GGUF file's Q4_K blocks) -> the tensors of a :class:`Q4Linear`,
+    without ever forming its weights: rows padded to a multiple of 16 with zero codes and scales."""
+    n = grid.rows()
+    pad = -n % TILE
+    if pad:
+        grid = Q4KGrid(*(torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in
+                         (grid.codes, grid.sc, grid.m, grid.d, grid.dmin)))
+    state = {"packed": _pack_q4k(grid), "out_features": torch.tensor(n), "in_features": torch.tensor(in_features)}
+    if bias is not None:
+        state["bias"] = torch.cat([bias.float(), bias.new_zeros(pad).float()])
+    return state
+
+
 def _unpack_q4k(packed: torch.Tensor, g: int) -> tuple[torch.Tensor, ...]:
     """``[NT, tile bytes]`` -> codes ``[N16, G, 32]``, ``sc`` and ``m`` ``[N16, G]`` (int64),
     ``d`` and ``dmin`` ``[N16, S]`` (fp32): the inverse of :func:`quantize_q4k`'s layout."""

@@ -1,7 +1,7 @@
 """``--draft auto``: the smallest installed model with the target's tokenizer, said on stderr.
 
-The catalog is ``$SPECDEC_HOME/converted`` (complete conversions); the tests put tiny models
-there: a smaller model with the target's tokenizer, a still smaller one whose special tokens
+The catalog is the registry's files and ``$SPECDEC_HOME/models`` (the metadata directories of the
+models loaded before, each naming its source); the tests put tiny Hugging Face directories there: a smaller model with the target's tokenizer, a still smaller one whose special tokens
 differ (so its tokenizer is another), and check which is chosen, and that the smallest model
 gets none with the reason given.
 """
@@ -20,11 +20,11 @@ from tiny_models import char_tokenizer, hf_tiny, save_hf_dir
 
 
 def _installed(home, name, hf, tokenizer=None):
-    """A complete conversion named ``name`` in the catalog."""
-    directory = home / "converted" / name
+    """A model named ``name`` in the catalog (its own source)."""
+    directory = home / "models" / name
     hf.save_pretrained(directory)
     (tokenizer or char_tokenizer()).save_pretrained(directory)
-    loading._write_done(directory, directory / "none.gguf")
+    loading._write_done(directory, directory)
     return directory
 
 
@@ -42,17 +42,17 @@ def test_the_smallest_model_with_the_target_tokenizer_is_chosen(home, tmp_path, 
     target = save_hf_dir(hf_tiny("qwen2", layers=3), tmp_path / "target")
     capsys.readouterr()
     picked = auto_draft(str(target))
-    assert picked == str(home / "converted" / "same-1layer")
+    assert picked == str(home / "models" / "same-1layer")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--draft auto: same-1layer" in err and "the smallest of 1" in err
-    fingerprints = {d.name: catalog.tokenizer_fingerprint(d) for d in (home / "converted").iterdir() if d.is_dir()}
+    fingerprints = {d.name: catalog.tokenizer_fingerprint(d) for d in (home / "models").iterdir() if d.is_dir()}
     assert fingerprints["same-1layer"] == catalog.tokenizer_fingerprint(target) != fingerprints["other-tiny"]
 
 
 def test_no_draft_when_no_smaller_model_shares_the_tokenizer(home, tmp_path, capsys):
-    assert auto_draft(str(home / "converted" / "same-1layer")) is None  # the catalog's smallest of its tokenizer
+    assert auto_draft(str(home / "models" / "same-1layer")) is None  # the catalog's smallest of its tokenizer
     assert "no draft for same-1layer" in capsys.readouterr().err
-    assert auto_draft(str(home / "converted" / "other-tiny")) is None
+    assert auto_draft(str(home / "models" / "other-tiny")) is None
     assert "none of the 1 other installed models has its tokenizer" in capsys.readouterr().err
 
 
@@ -65,9 +65,9 @@ def test_generate_with_draft_auto_is_plain_greedy_with_the_chosen_draft(home, tm
     captured = capsys.readouterr()
     spec = json.loads(captured.out)
     assert spec["token_ids"] == plain["token_ids"]
-    assert spec["config"]["draft"] == str(home / "converted" / "same-1layer")
+    assert spec["config"]["draft"] == str(home / "models" / "same-1layer")
     assert "else the draft model" in captured.err  # the hybrid over the found draft
-    small = str(home / "converted" / "other-tiny")
+    small = str(home / "models" / "other-tiny")
     assert main(["generate", "--target", small, "--prompt", "a", "--draft", "auto", "--proposer", "draft"]) == 2
     assert "no installed model can draft" in capsys.readouterr().err
 
@@ -83,14 +83,14 @@ def test_the_default_drafts_with_the_found_model_only_without_a_head(home, tmp_p
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["token_ids"] == plain["token_ids"]
-    assert out["config"]["draft"] == str(home / "converted" / "same-1layer")
+    assert out["config"]["draft"] == str(home / "models" / "same-1layer")
     assert "default draft (the target has no draft head): same-1layer" in captured.err
     assert "else the draft model (the default with a draft model)" in captured.err
     for chosen in (["--proposer", "suffix"], ["--k", "0"]):
         assert main(base + chosen) == 0
         captured = capsys.readouterr()
         assert json.loads(captured.out)["config"]["draft"] is None and "default draft" not in captured.err
-    smallest = str(home / "converted" / "same-1layer")  # nothing smaller to find: lookup alone, as before
+    smallest = str(home / "models" / "same-1layer")  # nothing smaller to find: lookup alone, as before
     assert main(["generate", "--target", smallest, "--prompt", "ab", "--max-new-tokens", "4", "--dtype", "int8"]) == 0
     err = capsys.readouterr().err
     assert "default draft (the target has no draft head): no draft for same-1layer" in err and "proposer suffix" in err

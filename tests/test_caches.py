@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -53,17 +52,17 @@ def test_changed_weights_are_never_answered_from_a_stale_int8_cache(home, tmp_pa
     assert not torch.equal(new, old)
     assert torch.equal(new, reference)
     # the cache of the old weights is gone, not left to pile up
-    assert len(_files(home / "quantized", "*.safetensors")) == 1
+    assert len(_files(home / "layers", "*.safetensors")) == 1
 
 
 @pytest.mark.parametrize("damage", ["truncate", "empty", "directory", "garbage"])
-@pytest.mark.parametrize("which", ["quantized", "calibration"])
+@pytest.mark.parametrize("which", ["layers", "calibration"])
 def test_a_damaged_cache_file_is_rebuilt_once_with_a_notice(home, tmp_path, capsys, damage, which):
     directory = _save(hf_tiny("qwen2"), tmp_path / "model")
     expected = _logits(loading.load(str(directory), "int8"))
     (victim,) = _files(home / which, "*.safetensors")
     if which == "calibration":  # the calibration file is only read when the int8 cache is built
-        for q in _files(home / "quantized", "*.safetensors"):
+        for q in _files(home / "layers", "*.safetensors"):
             q.unlink()
     if damage == "truncate":
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
@@ -96,7 +95,7 @@ def test_a_fresh_quantized_cache_is_read_back_silently(home, tmp_path, capsys, d
     directory = _save(hf_tiny("qwen2"), tmp_path / "model")
     first = _logits(loading.load(str(directory), dtype))
     capsys.readouterr()
-    (written,) = _files(home / "quantized", "*.safetensors")
+    (written,) = _files(home / "layers", "*.safetensors")
     mtime = written.stat().st_mtime_ns
     again = _logits(loading.load(str(directory), dtype))
     err = capsys.readouterr().err
@@ -105,33 +104,37 @@ def test_a_fresh_quantized_cache_is_read_back_silently(home, tmp_path, capsys, d
     assert torch.equal(again, first)
 
 
-def _fake_converter(monkeypatch, calls: list[Path]):
-    """Conversion of a (fake) GGUF: writes the tiny model's HF directory, counting the calls."""
+def _tiny_gguf(path: Path, seed: int = 3) -> Path:
+    """A tiny llama GGUF file as llama.cpp's converter writes one (tests/test_gguf_families.py)."""
+    from test_gguf_families import write_gguf
 
-    def convert(gguf: Path, tmp: Path, out: Path | None = None) -> Path:
+    hf = hf_tiny("llama", seed=seed)
+    write_gguf(hf, path)
+    return path
+
+
+def _count_metadata_builds(monkeypatch, calls: list[Path]):
+    build = loading._write_metadata
+
+    def counted(file, tmp):
         calls.append(tmp)
-        return _save(hf_tiny("qwen2"), tmp)
+        build(file, tmp)
 
-    monkeypatch.setattr(loading, "_convert", convert)
-    monkeypatch.setattr(loading, "_check_gguf", lambda gguf: None)  # a fake file has no header to read
-    monkeypatch.setattr(loading, "_stored_types", lambda directory, gguf: Counter())  # ... nor tensors to count
+    monkeypatch.setattr(loading, "_write_metadata", counted)
 
 
-@pytest.mark.parametrize("damage", ["truncate-weights", "empty-weights", "bad-config", "no-marker", "bad-marker"])
-def test_a_damaged_conversion_is_converted_again(home, tmp_path, monkeypatch, capsys, damage):
+@pytest.mark.parametrize("damage", ["bad-config", "empty-tokenizer", "no-marker", "bad-marker"])
+def test_a_damaged_metadata_directory_is_built_again(home, tmp_path, monkeypatch, capsys, damage):
     calls: list[Path] = []
-    _fake_converter(monkeypatch, calls)
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF fake")
+    _count_metadata_builds(monkeypatch, calls)
+    gguf = _tiny_gguf(tmp_path / "m.gguf")
     expected = _logits(loading.load(str(gguf), "float32"))
-    (out,) = [p for p in (home / "converted").iterdir() if p.is_dir()]
-    weights, config = out / "model.safetensors", out / "config.json"
-    if damage == "truncate-weights":
-        weights.write_bytes(weights.read_bytes()[:1000])
-    elif damage == "empty-weights":
-        weights.write_bytes(b"")
-    elif damage == "bad-config":  # same size, invalid JSON: only reading it finds out
+    (out,) = [p for p in (home / "models").iterdir() if p.is_dir()]
+    config, tokenizer = out / "config.json", out / "tokenizer.json"
+    if damage == "bad-config":  # same size, invalid JSON: only reading it finds out
         config.write_bytes(b"{" * config.stat().st_size)
+    elif damage == "empty-tokenizer":
+        tokenizer.write_bytes(b"")
     elif damage == "no-marker":
         (out / loading.DONE).unlink()
     else:
@@ -140,10 +143,30 @@ def test_a_damaged_conversion_is_converted_again(home, tmp_path, monkeypatch, ca
     got = _logits(loading.load(str(gguf), "float32"))
     assert torch.equal(got, expected)
     assert len(calls) == 2
-    _, err = capsys.readouterr()
-    assert "damaged" in err or "again" in err
+    assert "again" in capsys.readouterr().err
     assert loading.is_converted(out)
     assert _files(home, "*.tmp-*") == []
+
+
+def test_a_copied_gguf_hits_the_cache_of_its_content(home, tmp_path, monkeypatch):
+    """What is derived is keyed by the file's sha256, not its path: a copy elsewhere reuses it."""
+    calls: list[Path] = []
+    _count_metadata_builds(monkeypatch, calls)
+    first = _tiny_gguf(tmp_path / "a.gguf")
+    copy = tmp_path / "elsewhere" / "b.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(first.read_bytes())
+    assert torch.equal(_logits(loading.load(str(first), "float32")), _logits(loading.load(str(copy), "float32")))
+    assert len(calls) == 1 and len([p for p in (home / "models").iterdir() if p.is_dir()]) == 1
+
+
+def test_earlier_versions_conversions_are_removed_saying_what_was_freed(home, tmp_path, capsys):
+    for name in loading.LEGACY:
+        (home / name / "old").mkdir(parents=True)
+        (home / name / "old" / "model.safetensors").write_bytes(b"x" * 3_000_000)
+    loading.load(str(_tiny_gguf(tmp_path / "m.gguf")), "float32")
+    assert not any((home / name).exists() for name in loading.LEGACY)
+    assert "0.01 GB freed" in capsys.readouterr().err
 
 
 def test_a_garbage_gguf_is_a_clear_error(home, tmp_path):
@@ -157,7 +180,7 @@ def test_a_garbage_gguf_is_a_clear_error(home, tmp_path):
 def test_a_killed_builder_leaves_nothing_behind(home, tmp_path):
     """A builder killed with SIGKILL leaves its temporary file; the next build removes it."""
     directory = _save(hf_tiny("qwen2"), tmp_path / "model")
-    target = cache.home() / "quantized" / "x.safetensors"
+    target = cache.home() / "layers" / "x.safetensors"
     target.parent.mkdir(parents=True)
     stale = cache.temp_path(target)
     stale.write_bytes(b"half a file")
@@ -186,7 +209,7 @@ def test_two_first_runs_at_once_both_succeed_and_share_one_cache(home, tmp_path)
     ]
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
-    assert len(_files(home / "quantized", "*.safetensors")) == 1
+    assert len(_files(home / "layers", "*.safetensors")) == 1
     assert len(_files(home / "calibration", "*.safetensors")) == 1
     assert _files(home, "*.tmp-*") == []
     # exactly one of the two built it; the other waited and reused it
@@ -265,16 +288,15 @@ def test_kill_9_mid_write_then_the_next_run_heals(home, tmp_path):
     assert list(tmp_path.glob("entry.bin.tmp-*")) == []
 
 
-def test_a_changed_gguf_is_converted_again_and_the_old_conversion_removed(home, tmp_path, monkeypatch):
+def test_a_changed_gguf_is_read_again(home, tmp_path, monkeypatch):
     calls: list[Path] = []
-    _fake_converter(monkeypatch, calls)
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF one")
-    loading.load(str(gguf), "float32")
-    gguf.write_bytes(b"GGUF two, longer")  # new contents at the same path
-    loading.load(str(gguf), "float32")
+    _count_metadata_builds(monkeypatch, calls)
+    gguf = _tiny_gguf(tmp_path / "m.gguf", seed=3)
+    old = _logits(loading.load(str(gguf), "float32"))
+    _tiny_gguf(gguf, seed=4)  # new contents at the same path
+    new = _logits(loading.load(str(gguf), "float32"))
+    assert not torch.equal(old, new)
     assert len(calls) == 2
-    assert len([p for p in (home / "converted").iterdir() if p.is_dir()]) == 1
 
 
 def test_a_damaged_gguf_fails_before_any_conversion_notice_and_leaves_no_lock(home, tmp_path, capsys):
@@ -294,7 +316,7 @@ def test_a_damaged_gguf_fails_before_any_conversion_notice_and_leaves_no_lock(ho
     capsys.readouterr()
     with pytest.raises(loading.ModelLoadError, match="truncated|damaged"):
         loading.load(str(broken), "float32")
-    assert "converting" not in capsys.readouterr().err
+    assert "reading" not in capsys.readouterr().err
     assert _files(home, "*.lock") == [] and _files(home, "*.tmp-*") == []
 
 

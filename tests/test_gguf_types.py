@@ -127,7 +127,14 @@ def write_tiny_gguf(tmp_path, arch: str = "qwen2", seed: int = 0):
     state = hf.state_dict()
     writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), arch)
     writer.add_uint32(f"{arch}.attention.head_count", 4)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", 2)
     writer.add_uint32(f"{arch}.embedding_length", 256)
+    writer.add_uint32(f"{arch}.block_count", 2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2, 2)
+    for name, tensor in state.items():  # norms and biases, as F32
+        if tensor.dim() == 1:
+            base, suffix = name.rsplit(".", 1)
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
     heads = {"attn_q": 4, "attn_k": 2} if arch == "llama" else {}
     for i in range(2):
         for short, kind in STORED[i].items():
@@ -156,8 +163,8 @@ def write_tiny_gguf(tmp_path, arch: str = "qwen2", seed: int = 0):
 
 @pytest.fixture(params=["qwen2", "llama"])
 def tiny_gguf(tmp_path, monkeypatch, request):
-    """The tiny GGUF, loadable by path: its conversion (transformers' GGUF reader, which needs a
-    tokenizer in the file) is stood in for by the directory it would write."""
+    """The tiny GGUF, loadable by path: the config and tokenizer transformers' GGUF reader builds
+    from its metadata (which needs a tokenizer in the file) are stood in for by a directory's."""
     import shutil
 
     from conftest import fresh_home
@@ -166,11 +173,10 @@ def tiny_gguf(tmp_path, monkeypatch, request):
     fresh_home(tmp_path, monkeypatch)
     path, converted = write_tiny_gguf(tmp_path, request.param)
 
-    def convert(gguf_path, tmp, out=None):
-        shutil.copytree(converted, tmp)
-        return tmp
+    def metadata(file, tmp):
+        shutil.copytree(converted, tmp, ignore=shutil.ignore_patterns("*.safetensors"))
 
-    monkeypatch.setattr(loading, "_convert", convert)
+    monkeypatch.setattr(loading, "_write_metadata", metadata)
     return path
 
 

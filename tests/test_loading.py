@@ -46,7 +46,7 @@ def test_load_safetensors_directory_matches_transformers(hf_dir):
 def test_int8_cache_gives_identical_model(hf_dir):
     directory, _ = hf_dir
     first = loading.load(str(directory), "int8")  # calibrates, quantizes, writes the cache
-    cached = list((loading.registry.home() / "quantized").glob("*.safetensors"))
+    cached = list((loading.registry.home() / "layers").glob("*.safetensors"))
     assert len(cached) == 1
     second = loading.load(str(directory), "int8")  # reads the cache
     ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
@@ -57,7 +57,7 @@ def test_int8_cache_gives_identical_model(hf_dir):
 
 def test_unknown_model_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a known model"):
-        loading.source_dir(str(tmp_path / "nope"))
+        loading.source_path(str(tmp_path / "nope"))
 
 
 def _fake(name, vocab_size, tokenizer):

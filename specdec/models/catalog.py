@@ -69,7 +69,8 @@ def parameters(directory: Path) -> int:
 
 def installed() -> list[Installed]:
     """Every model ready to load: the registry's assembled files (by name) and the GGUF files
-    specdec has loaded before (by path, while the file is still there), each with its metadata
+    specdec has loaded before (by path, while the file is still there; an entry naming a directory
+    is that directory), each with its metadata
     directory (config and tokenizer)."""
     found, seen = [], set()
     for spec in registry.MODELS.values():
@@ -82,6 +83,6 @@ def installed() -> list[Installed]:
         if directory.resolve() in seen or not loading.is_converted(directory):
             continue
         source = Path(json.loads((directory / loading.DONE).read_text())["source"])
-        if source.is_file():
+        if source.exists():
             found.append(Installed(str(source), directory, parameters(directory)))
     return found

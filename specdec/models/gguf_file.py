@@ -163,7 +163,8 @@ class GGUFFile:
 
         if self._names is None:
             archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
-            blocks = int(self.metadata.get(f"{self.arch}.block_count", 0))
+            blocks = int(self.metadata.get(f"{self.arch}.block_count") or 1 + max(
+                (int(n.split(".")[1]) for n in self.tensors if n.startswith("blk.")), default=-1))
             self._names = gguf.get_tensor_name_map(archs[self.arch], blocks) if self.arch in archs else None
         hf_name = hf_name.replace("model.language_model.", "model.")
         base, _, suffix = hf_name.rpartition(".")

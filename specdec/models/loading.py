@@ -17,6 +17,7 @@ from the file's metadata (20 s the first time a file is seen; then read in a sec
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -294,7 +295,8 @@ def _quantized_model(key: str, label: str, dtype: str, cfg: ModelConfig, weights
     keeps exactly."""
     from safetensors.torch import load_file, save_file
 
-    target = registry.home() / "layers" / f"{key}-{dtype}-{QUANT_FORMAT[dtype]}.safetensors"
+    path_key = hashlib.sha256(f"{label}:{dtype}".encode()).hexdigest()[:8]
+    target = registry.home() / "layers" / f"{path_key}-{key}-{QUANT_FORMAT[dtype]}.safetensors"
     built: list[Transformer] = []
 
     def build(tmp: Path) -> None:
@@ -304,6 +306,8 @@ def _quantized_model(key: str, label: str, dtype: str, cfg: ModelConfig, weights
         save_file(model.quantized_state, str(tmp))
         model.quantized_state = {}
         built.append(model)
+        for old in target.parent.glob(f"{path_key}-*.safetensors"):  # caches of this model's older weights
+            cache.remove(old)
 
     def read(path: Path) -> Transformer:
         return built.pop() if built else Transformer(cfg, weights, dtype, quantized=load_file(str(path)))
@@ -350,14 +354,23 @@ def _load_gguf(file: GGUFFile, meta: Path, dtype: str, sha256: str, context: int
     """The model of a GGUF file, its weights in place (the ``gguf`` dtype) or lowered as asked."""
     from specdec.models import memory
 
-    cfg, tokenizer = _config_and_tokenizer(meta)
+    try:
+        cfg, tokenizer = _config_and_tokenizer(meta)
+    except (UnsupportedModel, ModelLoadError):
+        raise
+    except Exception as exc:  # a damaged metadata directory: read from the file again, once
+        cache.notice(f"the config and tokenizer of {file.path.name} in {meta} are damaged ({cache.brief(exc)}); "
+                     "reading them from the file again")
+        with cache.build_lock(meta):
+            cache.remove(meta)
+        cfg, tokenizer = _config_and_tokenizer(metadata_dir(file, sha256))
     memory.check(file, cfg, dtype, context)  # refuses before anything large is allocated
     weights = GGUFWeights(file)
     embed_name = "model.embed_tokens.weight"
     if dtype == "gguf":
         model = Transformer(cfg, weights, dtype, grids=file, embed=RowEmbedding(file, embed_name))
     elif dtype in QUANT_FORMAT:
-        model = _quantized_model(sha256[:16], file.path.name, dtype, cfg, weights, tokenizer, grids=file)
+        model = _quantized_model(sha256[:16], str(file.path.resolve()), dtype, cfg, weights, tokenizer, grids=file)
     else:
         model = Transformer(cfg, weights, dtype)
     return model, tokenizer, weights

@@ -239,7 +239,7 @@ def test_specdec_serve_command_answers_and_shuts_down_gracefully(gen, tmp_path):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    model = str(gen.target.source_dir)
+    model = str(gen.target.source)
     proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--target", model, "--dtype", "int8", "--port",
                              str(port), "--proposer", "ngram", "--served-model-name", MODEL, "--max-model-len", "512"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -12,6 +12,7 @@ import torch
 from specdec.api import TextGenerator
 from specdec.bench.prompts import CODE_PROMPTS
 from specdec.core.engine import generate
+from specdec.models import loading
 from specdec.verify.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,7 @@ def test_fp32_greedy_matches_transformers(name):
     for text in ["The capital of France is", "def fibonacci(n):"]:
         prompt = gen.encode(text)
         ours = generate(gen.target.model, [prompt], GREEDY, 32, eos_token_ids=gen.eos_token_ids)[0].token_ids
-        assert ours == _hf_greedy(gen.target.source_dir, prompt, 32, gen.eos_token_ids), text
+        assert ours == _hf_greedy(loading.hf_directory(gen.target), prompt, 32, gen.eos_token_ids), text
         assert len(ours) >= 8
 
 

@@ -230,6 +230,20 @@ class GGUFFile:
     def type_of(self, hf_name: str) -> str:
         return self._info(hf_name).type_name
 
+    def blocks(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A matrix's stored rows of blocks as a read-only tensor view of the mapping ``[rows, row
+        bytes]`` (never written: the repack kernel only reads it), and the file row of each of
+        transformers' rows ``[rows]`` (int64)."""
+        import warnings
+
+        info = self._info(hf_name)
+        order = self._row_order(info)
+        with warnings.catch_warnings():  # torch warns of a read-only array; nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(self.raw(info))
+        rows = torch.from_numpy(order) if order is not None else torch.arange(info.shape[0])
+        return src, rows.long()
+
     def grid(self, hf_name: str, lo: int = 0, hi: int | None = None):
         """Rows ``lo:hi`` of a Q4_K or Q6_K matrix as its kernel grid (the file's codes and scales,
         rows in transformers' order), or None for another type."""

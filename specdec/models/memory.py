@@ -3,8 +3,8 @@
 A 7-8B file that cannot fit must be refused in one line naming what it needs and what there is,
 not die minutes later with a MemoryError (or be killed by the kernel). The estimate:
 
-- weights: what the runtime keeps for the dtype (the ``gguf`` dtype: the file's bytes, repacked
-  tile by tile into the same size; a lower dtype: its bits a weight; float32: 4 bytes a weight);
+- weights: what the runtime keeps for the dtype (the ``gguf`` dtype: :func:`gguf_runtime_bytes`;
+  a lower dtype: its bits a weight; float32: 4 bytes a weight);
 - the KV cache of one row at ``context`` tokens (fp32 keys and values, every layer);
 - a fixed allowance for the runtime, the largest matrix's repacking temporaries and torch.
 
@@ -15,6 +15,8 @@ limit (``ulimit -v``), with what is left of it, where the file's mapping counts 
 from __future__ import annotations
 
 import resource
+
+import numpy as np
 from pathlib import Path
 
 from specdec.runtime.config import ModelConfig
@@ -29,10 +31,25 @@ def kv_bytes(cfg: ModelConfig, context: int, rows: int = 1) -> int:
 
 def weight_bytes(file, dtype: str) -> int:
     if dtype == "gguf":
-        return file.weight_bytes()
+        return gguf_runtime_bytes(file)
     from specdec.models.loading import parameter_count
 
     return int(parameter_count(file) * BYTES_PER_WEIGHT[dtype])
+
+
+def gguf_runtime_bytes(file) -> int:
+    """What the ``gguf`` dtype keeps: a matrix of a type with a kernel (or the mapped embedding)
+    at its file bytes, any other matrix at 4 bytes a weight (it runs as fp32 until its kernel lands)."""
+    from specdec.runtime.gguf_linear import KERNELS
+
+    total = 0
+    for t in file.tensors.values():
+        mapped = t.name == "token_embd.weight" and "output.weight" in file.tensors
+        if len(t.shape) < 2 or t.type_name in KERNELS or t.type_name == "F32" or mapped:
+            total += t.n_bytes
+        else:
+            total += 4 * int(np.prod(t.shape))
+    return total
 
 
 def available() -> tuple[int | None, int | None]:

@@ -11,8 +11,9 @@ q and k as Q4_K, v as Q6_K). Each part is built from the file's own blocks:
 
 Consecutive parts of one kind form one layer; a layer of several kinds runs each and concatenates
 the outputs (each part is batch invariant, so the whole is). The blocks are read from the file in
-place (:mod:`specdec.models.gguf_file`) and repacked in row chunks: no weight matrix of a kernel's
-type is ever dequantized. A layer that is not the file's (a draft head's, a pruned output view)
+place (:mod:`specdec.models.gguf_file`) and repacked into the kernels' tiles by a byte-shuffling
+kernel (``kernels/repack.cpp``, against its torch reference :func:`packed_run_reference`): no
+weight matrix of a kernel's type is ever dequantized. A layer that is not the file's (a draft head's, a pruned output view)
 has no parts in the file and is built as ``q4k``.
 """
 
@@ -20,12 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from specdec.runtime import q4, q6k
+from specdec.runtime import native, q4, q6k
 from specdec.runtime.dense import FloatLinear
 from specdec.runtime.q4 import Q4KGrid
 from specdec.runtime.q6k import Q6KGrid
 
 KINDS = ("q4k", "q6k", "float")
+# a 256-input superblock of one 16-row tile, in each kernel's layout
+TILE_SUPERBLOCK_BYTES = {"q4k": 8 * q4.CODE_BYTES + 8 * 16 * 2 + 4 * q4.TILE, "q6k": q6k.SB_BYTES}
+KERNELS = {"Q4_K": "q4k", "Q6_K": "q6k"}  # storage type -> the kernel that runs it in place; others run as fp32
 
 
 def kind_of(grid) -> str:
@@ -52,7 +56,7 @@ def from_file(file, parts: tuple[tuple[str, int], ...], bias: torch.Tensor | Non
     runs: list[tuple[str, int, int, list[str]]] = []  # kind, first row, end row, part names
     at = 0
     for name, rows in parts:
-        kind = {"Q4_K": "q4k", "Q6_K": "q6k"}.get(file.type_of(name), "float")
+        kind = KERNELS.get(file.type_of(name), "float")
         if runs and runs[-1][0] == kind:
             runs[-1] = (kind, runs[-1][1], at + rows, runs[-1][3] + [name])
         else:
@@ -71,24 +75,37 @@ def from_file(file, parts: tuple[tuple[str, int], ...], bias: torch.Tensor | Non
 
 
 def _packed_run(file, kind: str, names: list[str], bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Consecutive Q4_K (or Q6_K) parts as one packed layer: tiles of 16 rows are independent, so
-    each part is packed in chunks of rows into one preallocated tensor (a part whose rows are not a
-    multiple of 16 is only allowed last: its padding ends the layer)."""
-    from specdec.models.gguf_file import ROW_CHUNK
-
+    """Consecutive Q4_K (or Q6_K) parts as one packed layer, written by the repack kernel straight
+    from the mapped blocks into one preallocated tensor (tiles of 16 rows are independent; a part
+    whose rows are not a multiple of 16 is only allowed last: its padding ends the layer)."""
     rows = [file.tensors[file.gguf_name(n)].shape[0] for n in names]
     cols = file.tensors[file.gguf_name(names[0])].shape[1]
     if any(r % q4.TILE for r in rows[:-1]):  # odd part sizes mid-layer: decode whole parts and concatenate
         return _pack(kind, [file.grid(n) for n in names], bias, cols)
     total = sum(rows)
-    packed, tile = None, 0
+    packed = torch.empty(-(-total // q4.TILE), cols // 256 * TILE_SUPERBLOCK_BYTES[kind], dtype=torch.uint8)
+    repack = native.kernel("repack")
+    tile = 0
     for n, r in zip(names, rows):
-        for lo in range(0, r, ROW_CHUNK):
-            piece = _pack(kind, [file.grid(n, lo, min(r, lo + ROW_CHUNK))], None, cols)["packed"]  # [tiles, bytes]
-            if packed is None:
-                packed = torch.empty(-(-total // q4.TILE), piece.shape[1], dtype=torch.uint8)
-            packed[tile : tile + piece.shape[0]] = piece
-            tile += piece.shape[0]
+        src, order = file.blocks(n)  # [file rows, row bytes], [r]
+        (repack.q4k_repack if kind == "q4k" else repack.q6k_repack)(src, order, packed, tile)
+        tile += -(-r // q4.TILE)
+    return _state(kind, packed, total, cols, bias)
+
+
+def packed_run_reference(file, kind: str, names: list[str], bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """:func:`_packed_run` in torch, over decoded grids a row chunk at a time: the repack
+    kernel's reference (the tests compare them byte for byte)."""
+    from specdec.models.gguf_file import ROW_CHUNK
+
+    rows = [file.tensors[file.gguf_name(n)].shape[0] for n in names]
+    cols = file.tensors[file.gguf_name(names[0])].shape[1]
+    pieces = [_pack(kind, [file.grid(n, lo, min(r, lo + ROW_CHUNK))], None, cols)["packed"]  # [tiles, bytes]
+              for n, r in zip(names, rows) for lo in range(0, r, ROW_CHUNK)]
+    return _state(kind, torch.cat(pieces), sum(rows), cols, bias)
+
+
+def _state(kind: str, packed: torch.Tensor, total: int, cols: int, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
     state = {"packed": packed, "out_features": torch.tensor(total)}
     if kind == "q4k":
         state["in_features"] = torch.tensor(cols)

@@ -66,6 +66,14 @@ def _head_dim(reader, arch: str) -> int | None:
         _field(reader, f"{arch}.embedding_length") // heads if heads else None)
 
 
+def head_settings(reader) -> dict:
+    """``head_dim`` where the file stores it (``attention.key_length``): transformers' reader
+    drops it for some families, whose config default (Qwen3's 128) would then be taken."""
+    arch = _field(reader, "general.architecture")
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    return {"head_dim": int(key_length)} if key_length else {}
+
+
 def _tensor(reader, name: str):
     """A small F32 tensor of the file (rope factors) as a float array, or None."""
     info = reader.tensors.get(name)

@@ -190,7 +190,7 @@ def _write_metadata(file: GGUFFile, tmp: Path) -> None:
         raise ModelLoadError(f"cannot read {gguf}: damaged or not a supported GGUF model ({cache.brief(exc)})") from exc
     tmp.mkdir(parents=True)
     config.__dict__.pop("quantization_config", None)
-    for key, value in gguf_meta.rope_settings(file).items():  # what transformers' reader drops
+    for key, value in {**gguf_meta.head_settings(file), **gguf_meta.rope_settings(file)}.items():  # what transformers' reader drops
         setattr(config, key, value)
     if (getattr(config, "sliding_window", None) is not None and getattr(config, "layer_types", None) is None
             and gguf_meta.sliding_window(file) is None):

@@ -180,3 +180,23 @@ def test_a_memory_error_while_loading_is_never_called_damage(small, monkeypatch)
     monkeypatch.setattr(loading, "_load_gguf", exhausted)
     with pytest.raises(loading.ModelLoadError, match="out of memory while loading llama-small-q4_k_m.gguf .*not damaged"):
         loading.load(str(path))
+
+
+@needs_kernels
+def test_the_scale_benchmark_measures_a_case_and_resumes(small, tmp_path):
+    """``specdec bench --scale`` on a small shape (specdec alone): a row with both loads, TPOT
+    and the 1/2/3/5/9-token forwards; a rerun measures nothing again."""
+    from specdec.bench import scale
+
+    small("qwen2-small")
+    out = tmp_path / "scale"
+    case = str(synthetic.path_for("qwen2-small", "q4_k_m"))
+    rows = scale.run_scale(out, [case], None, 512, 2, 16.0, llamacpp=False)
+    (row,) = rows
+    assert "error" not in row["first"] and "error" not in row["later"], row
+    assert set(row["later"]["forward_ms"]) == {"1", "2", "3", "5", "9"} and row["later"]["tpot_ms"] > 0
+    assert row["first"]["wall_to_first_token_s"] > 0 and row["later"]["peak_rss_gb"] > 0
+    assert "| specdec |" in (out / "scale.md").read_text()
+    assert scale.run_scale(out, [case], None, 512, 2, 16.0, llamacpp=False) == rows
+    with pytest.raises(ValueError, match="neither SHAPE:MIX"):
+        scale.case_file("no-such-shape.gguf")

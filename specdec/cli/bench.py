@@ -40,10 +40,23 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="draft head for the head methods (default: the one shipped for --target)")
     p.add_argument("--k", type=int, default=4, help="k of the fixed-k 'draft' and 'head' methods (default: %(default)s)")
     p.add_argument("--k-max", type=int_at_least(1), default=K_MAX, help="largest k of the auto methods (default: %(default)s)")
+    scale = p.add_argument_group("scale mode (--scale): load and run cost of 1-8B GGUF files, next to llama.cpp")
+    scale.add_argument("--scale", default=None, metavar="CASES",
+                       help="comma-separated SHAPE:MIX (synthetic real-shape files, written once under the cache; e.g. "
+                            "qwen2.5-7b:q4_k_m,llama-3.1-8b:q4_k_m) or GGUF paths: first and later load time, peak RSS, "
+                            "TPOT and the 2/3/5/9-token forward against 1, each runtime in its own process. Writes "
+                            "scale.jsonl (resumable) and scale.md to --out; with --draft loaded beside the target")
+    scale.add_argument("--context", type=int_at_least(64), default=4096, help="context of the KV cache counted (default: %(default)s)")
+    scale.add_argument("--memory-cap", type=float, default=None, metavar="GB",
+                       help="address-space limit of each measured process (default: 90%% of this machine's memory)")
+    scale.add_argument("--no-llamacpp", action="store_true", help="measure specdec alone")
     p.set_defaults(func=run)
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
+
+    if args.scale:
+        return run_scale(args)
 
     from specdec.bench.jobs import ALL_METHODS, QUICK_METHODS, known_method, run_bench
 
@@ -61,4 +74,19 @@ def run(args: argparse.Namespace) -> int:
               head=args.head or "auto", ignore_eos=args.ignore_eos)
     print((out / "report.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots in {out}")
+    return 0
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from specdec.bench.scale import run_scale as measure
+
+    cap = args.memory_cap or 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    out = Path(args.out)
+    measure(out, args.scale.split(","), args.draft or None, args.context, args.max_new_tokens or 32, cap,
+            not args.no_llamacpp)
+    print((out / "scale.md").read_text())
+    print(f"wrote {out / 'scale.jsonl'} and {out / 'scale.md'}")
     return 0

@@ -81,11 +81,15 @@ def _write_done(directory: Path, source: Path, **extra) -> None:
     (directory / DONE).write_text(json.dumps({"source": str(source), "made_at": time.time(), "files": files, **extra}))
 
 
+def _sha256_memo(path: Path) -> Path:
+    return registry.home() / "sha256" / f"{path.stem}-{cache.fingerprint([path], str(path.resolve()))}"
+
+
 def content_sha256(path: Path) -> str:
     """The sha256 of a file, computed once and remembered by its path, size and mtime (hashing a
     4.7 GB file takes ~5 s; the memo is read in a millisecond)."""
     path = Path(path)
-    memo = registry.home() / "sha256" / f"{path.stem}-{cache.fingerprint([path], str(path.resolve()))}"
+    memo = _sha256_memo(path)
     try:
         return memo.read_text().strip()
     except OSError:
@@ -96,6 +100,16 @@ def content_sha256(path: Path) -> str:
     memo.parent.mkdir(parents=True, exist_ok=True)
     cache.write_atomic(memo, lambda tmp: tmp.write_text(digest))
     return digest
+
+
+def forget_file(path: Path) -> None:
+    """Remove what was derived from GGUF ``path`` (its hash memo, config and tokenizer), so that
+    the next load is a first sight of it (the scale benchmark's first-load time)."""
+    path = Path(path)
+    memo = _sha256_memo(path)
+    if memo.is_file():
+        cache.remove(registry.home() / "models" / f"{memo.read_text().strip()[:16]}-{METADATA}")
+        memo.unlink()
 
 
 def remove_legacy() -> int:
@@ -377,16 +391,18 @@ def _load_gguf(file: GGUFFile, meta: Path, dtype: str, sha256: str, context: int
 
 
 def resolve_dtype(dtype: str, gguf: Path | None, role: str = "target") -> str:
-    """``auto``: a GGUF file at its own precision (``gguf``: every tensor in place) where this CPU
-    runs its kernels, for a target and a draft alike; anything else at the fast default
-    (:data:`specdec.runtime.linear.FAST_DTYPE`)."""
+    """``auto``: a GGUF target at its file's own precision (``gguf``: every tensor in place) where
+    this CPU runs its kernels; anything else at the fast default
+    (:data:`specdec.runtime.linear.FAST_DTYPE`): a draft's precision changes how often its drafts
+    are accepted, never the output, and q4k runs all of a draft's matrices in a kernel (the
+    ``gguf`` dtype still runs some types, e.g. a Q4_K_M draft's Q5_0 and Q8_0, as fp32)."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     if dtype == "gguf" and gguf is None:
         raise ValueError("dtype 'gguf' (each tensor at its stored type) needs a GGUF file as the model")
     if dtype != DEFAULT_DTYPE:
         return dtype
-    return "gguf" if gguf is not None and FAST_DTYPE == "q4k" else FAST_DTYPE
+    return "gguf" if gguf is not None and role == "target" and FAST_DTYPE == "q4k" else FAST_DTYPE
 
 
 def load(name_or_path: str, dtype: str = DEFAULT_DTYPE, *, install: bool = False, role: str = "target",

@@ -197,12 +197,15 @@ def _metadata(writer, shape: Shape, label: str) -> None:
     writer.add_rope_dimension_count(shape.head_dim)
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    chars = list(bytes_to_unicode().values())  # the 256 byte-level symbols, then placeholder tokens
-    tokens = chars + [f"<tok{i}>" for i in range(len(chars), shape.vocab - 1)] + ["<|endoftext|>"]
+    chars = list(bytes_to_unicode().values())  # the 256 byte-level symbols, 4,096 merged pairs, placeholders
+    pairs = [(a, b) for a in chars[:64] for b in chars[:64]][: max(0, shape.vocab - len(chars) - 1)]
+    tokens = chars + [a + b for a, b in pairs]
+    tokens += [f"<tok{i}>" for i in range(len(tokens), shape.vocab - 1)] + ["<|endoftext|>"]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * (len(tokens) - 1) + [3])
-    writer.add_token_scores([0.0] * len(tokens))  # no merges: every token is one symbol
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges([f"{a} {b}" for a, b in pairs])  # llama.cpp requires a BPE vocabulary's merges
     writer.add_eos_token_id(len(tokens) - 1)
     writer.add_bos_token_id(len(tokens) - 1)

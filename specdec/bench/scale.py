@@ -1,0 +1,217 @@
+"""``specdec bench --scale``: what a 1-8B GGUF file costs to load and run, next to llama.cpp.
+
+For each case (a synthetic shape and mix of :mod:`specdec.models.synthetic`, e.g.
+``qwen2.5-7b:q4_k_m``, or a GGUF file's path), each runtime in a fresh process of its own:
+
+* **first load**: Python's start to the first token, the first time the file is seen (the
+  file's derived cache entries, hash and config, removed before);
+* **later load**: the same, with them cached; then, in that process, the plain decoding time a
+  token (TPOT: greedy, the difference between ``1 + n`` and ``1`` generated tokens, the median of
+  3 interleaved repeats) and one forward of 1/2/5/9 tokens after 200 (the cost of verifying k
+  drafted tokens against one);
+* **peak RSS** of that process (``VmHWM``), the draft model loaded too when ``--draft`` is given,
+  beside the file's size; the KV cache of a ``--context``-token row is added as computed (fp32
+  keys and values), since a short benchmark prompt never fills it.
+
+llama.cpp (``pip install -e '.[llamacpp]'``) runs the same file, threads and context the same way.
+Each case's results are appended to ``scale.jsonl`` in ``--out`` as it finishes (a rerun skips
+the cases there) and the table is written to ``scale.md``. Every child process runs under an
+address-space limit (``--memory-cap``), so a file that cannot fit fails alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+def prompt(vocab: int) -> list[int]:
+    """32 token ids (synthetic weights make every prompt alike)."""
+    return [(1000 + i) % vocab for i in range(32)]
+SIZES = (1, 2, 3, 5, 9)
+
+
+def case_file(case: str) -> Path:
+    """``shape:mix`` -> its synthetic file (written once, under the cache), or a GGUF path."""
+    from specdec.models import synthetic
+
+    if ":" in case and not Path(case).exists():
+        shape, mix = case.split(":", 1)
+        return synthetic.write(shape, mix)
+    path = Path(case).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{case!r} is neither SHAPE:MIX (shapes: {', '.join(synthetic.SHAPES)}; mixes: "
+                         f"{', '.join(synthetic.MIXES)}) nor a GGUF file")
+    return path
+
+
+def run_scale(out: Path, cases: list[str], draft: str | None, context: int, tokens: int, memory_cap: float,
+              llamacpp: bool) -> list[dict]:
+    """Measure every case not yet in ``out/scale.jsonl``; returns all rows and writes ``scale.md``."""
+    from specdec.bench import llamacpp as peer
+    from specdec.runtime.native import cpu_name
+
+    out.mkdir(parents=True, exist_ok=True)
+    done = _rows(out)
+    runtimes = ["specdec"] + (["llama.cpp"] if llamacpp and peer.available() else [])
+    if llamacpp and not peer.available():
+        print(f"llama.cpp is not installed ({peer.INSTALL_HINT}): measuring specdec alone", file=sys.stderr)
+    for case in cases:
+        path = case_file(case)
+        for runtime in runtimes:
+            if any(r["case"] == case and r["runtime"] == runtime for r in done):
+                continue
+            row = {"case": case, "file": str(path), "file_gb": path.stat().st_size / 1e9, "runtime": runtime,
+                   "cpu": cpu_name(), "threads": _threads(), "context": context}
+            print(f"{case}: {runtime} ...", file=sys.stderr, flush=True)
+            if runtime == "specdec":
+                from specdec.models import loading
+
+                loading.forget_file(path)
+            row["first"] = _child(runtime, path, None, context, tokens, memory_cap, full=False)
+            row["later"] = _child(runtime, path, draft if runtime == "specdec" else None, context, tokens, memory_cap,
+                                  full=True)
+            done.append(row)
+            with open(out / "scale.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+    (out / "scale.md").write_text(report(done))
+    return done
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "scale.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _child(runtime: str, path: Path, draft: str | None, context: int, tokens: int, memory_cap: float,
+           full: bool) -> dict:
+    """One measurement in a fresh process; ``wall_to_first_token_s`` counts Python's start."""
+    spec = json.dumps({"runtime": runtime, "path": str(path), "draft": draft, "context": context, "tokens": tokens,
+                       "full": full, "threads": _threads()})
+    cap = int(memory_cap * 1e9)
+    start = time.time()
+    run = subprocess.run([sys.executable, "-m", "specdec.bench.scale", spec], capture_output=True, text=True,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
+    if run.returncode or not lines:
+        tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
+        return {"error": " | ".join(tail) or f"exit {run.returncode}"}
+    result = json.loads(lines[-1])
+    result["wall_to_first_token_s"] = result.pop("first_token_at") - start
+    return result
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _measure_specdec(spec: dict) -> dict:
+    import statistics
+
+    import torch
+
+    from specdec.bench.measure import forward_scaling
+    from specdec.core.engine import generate
+    from specdec.models import loading, memory
+    from specdec.verify.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    t = time.perf_counter()
+    target = loading.load(spec["path"], context=spec["context"])
+    result = {"load_s": time.perf_counter() - t, "precision": target.precision}
+    ids = prompt(target.model.vocab_size)
+    with torch.inference_mode():
+        generate(target.model, [ids], greedy, 1)
+        result["first_token_at"] = time.time()
+        if not spec["full"]:
+            return {**result, "peak_rss_gb": _peak_rss() / 1e9}
+        kv = memory.kv_bytes(target.model.cfg, spec["context"])
+        if spec["draft"]:
+            draft = loading.load(spec["draft"], role="draft", context=spec["context"])
+            kv += memory.kv_bytes(draft.model.cfg, spec["context"])
+            generate(draft.model, [ids], greedy, 2)
+        n = spec["tokens"]
+        seconds = {1: [], 1 + n: []}
+        for _ in range(3):
+            for count in seconds:
+                t = time.perf_counter()
+                generate(target.model, [ids], greedy, count)
+                seconds[count].append(time.perf_counter() - t)
+        tpot = (statistics.median(seconds[1 + n]) - statistics.median(seconds[1])) / n
+        forward = forward_scaling(target.model, sizes=SIZES)
+    return {**result, "tpot_ms": tpot * 1e3, "forward_ms": {k: v * 1e3 for k, v in forward.items()},
+            "peak_rss_gb": _peak_rss() / 1e9, "kv_gb": kv / 1e9}
+
+
+def _measure_llamacpp(spec: dict) -> dict:
+    import statistics
+
+    from specdec.bench import llamacpp as peer
+
+    t = time.perf_counter()
+    llm = peer.open_file(Path(spec["path"]), spec["threads"], spec["context"])
+    result = {"load_s": time.perf_counter() - t}
+    ids = prompt(llm.n_vocab())
+    peer.greedy_seconds(llm, ids, 1)
+    result["first_token_at"] = time.time()
+    if not spec["full"]:
+        return {**result, "peak_rss_gb": _peak_rss() / 1e9}
+    n = spec["tokens"]
+    seconds = {1: [], 1 + n: []}
+    for _ in range(3):
+        for count in seconds:
+            seconds[count].append(peer.greedy_seconds(llm, ids, count))
+    tpot = (statistics.median(seconds[1 + n]) - statistics.median(seconds[1])) / n
+    forward = peer.forward_scaling(llm, sizes=SIZES)
+    return {**result, "tpot_ms": tpot * 1e3, "forward_ms": {k: v * 1e3 for k, v in forward.items()},
+            "peak_rss_gb": _peak_rss() / 1e9}
+
+
+def report(rows: list[dict]) -> str:
+    """The markdown table, one line a case and runtime, with llama.cpp's ratio where it ran."""
+    lines = [f"CPU: {rows[0]['cpu']}, {rows[0]['threads']} threads, context {rows[0]['context']}" if rows else "",
+             "",
+             "| case | file GB | runtime | first load s | later load s | peak RSS GB (+ KV at context) | "
+             "TPOT ms | tok/s vs llama.cpp | 2 / 3 / 5 / 9 tokens vs 1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        first, later = row["first"], row["later"]
+        if "error" in first or "error" in later:
+            lines.append(f"| {row['case']} | {row['file_gb']:.2f} | {row['runtime']} | failed: "
+                         f"{first.get('error') or later.get('error')} | | | | | |")
+            continue
+        peer = next((r for r in rows if r["case"] == row["case"] and r["runtime"] == "llama.cpp"
+                     and "tpot_ms" in r["later"]), None)
+        ratio = f"{peer['later']['tpot_ms'] / later['tpot_ms']:.2f}x" if peer else "-"
+        f = {int(k): v for k, v in later["forward_ms"].items()}
+        scaling = " / ".join(f"{f[n] / f[1]:.2f}" if n in f else "-" for n in (2, 3, 5, 9))
+        kv = f" (+{later['kv_gb']:.2f})" if "kv_gb" in later else ""
+        lines.append(f"| {row['case']} | {row['file_gb']:.2f} | {row['runtime']} | {first['wall_to_first_token_s']:.1f} | "
+                     f"{later['wall_to_first_token_s']:.1f} | {later['peak_rss_gb']:.2f}{kv} | {later['tpot_ms']:.0f} | "
+                     f"{ratio} | {scaling} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    measure = _measure_specdec if spec["runtime"] == "specdec" else _measure_llamacpp
+    print(json.dumps(measure(spec)), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()

@@ -88,12 +88,12 @@ def run(args: argparse.Namespace) -> int:
         if r.get("tokenizer"):
             print(f"{'':<{width}}  tokenizer {r['tokenizer']} (--draft auto pairs models whose tokenizers match)")
     print(f"\nmodels live in {registry.home()} (set SPECDEC_HOME to move them); install with `specdec models install`")
-    print(f"derived files (configs, tokenizers, hashes, calibration, peers' copies): {derived / 1e6:.1f} MB; "
+    print(f"derived files (configs, tokenizers, hashes, calibration, peers' copies, synthetic benchmark files): {derived / 1e6:.1f} MB; "
           f"`specdec models clear-cache` removes them")
     return 0
 
 
-DERIVED = ("models", "sha256", "fingerprints", "calibration", "layers", "peers")  # under $SPECDEC_HOME
+DERIVED = ("models", "sha256", "fingerprints", "calibration", "layers", "peers", "synthetic")  # under $SPECDEC_HOME
 
 
 def cache_size() -> int:

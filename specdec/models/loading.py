@@ -303,10 +303,10 @@ def content_key(directory: Path, *extra: str) -> str:
 
 
 def _quantized_model(key: str, label: str, dtype: str, cfg: ModelConfig, weights: Mapping, tokenizer,
-                     grids=None) -> Transformer:
+                     grids=None, embed=None) -> Transformer:
     """The int8 or 4-bit model of weights whose content has ``key``, from its on-disk cache
     (``$SPECDEC_HOME/layers``, built on first use). ``grids``: a GGUF file, whose Q4_K tensors q4k
-    keeps exactly."""
+    keeps exactly, and whose ``embed`` rows are looked up in place."""
     from safetensors.torch import load_file, save_file
 
     path_key = hashlib.sha256(f"{label}:{dtype}".encode()).hexdigest()[:8]
@@ -316,7 +316,7 @@ def _quantized_model(key: str, label: str, dtype: str, cfg: ModelConfig, weights
     def build(tmp: Path) -> None:
         cache.notice(f"quantizing {label} to {dtype} once; cached at {target}")
         act_absmax = cached_calibration(Path(label), key, cfg, weights, tokenizer) if dtype == "int8" else None
-        model = Transformer(cfg, weights, dtype, act_absmax, grids=None if grids is None else _Q4KOnly(grids))
+        model = Transformer(cfg, weights, dtype, act_absmax, grids=None if grids is None else _Q4KOnly(grids), embed=embed)
         save_file(model.quantized_state, str(tmp))
         model.quantized_state = {}
         built.append(model)
@@ -324,7 +324,7 @@ def _quantized_model(key: str, label: str, dtype: str, cfg: ModelConfig, weights
             cache.remove(old)
 
     def read(path: Path) -> Transformer:
-        return built.pop() if built else Transformer(cfg, weights, dtype, quantized=load_file(str(path)))
+        return built.pop() if built else Transformer(cfg, weights, dtype, quantized=load_file(str(path)), embed=embed)
 
     return cache.cached(target, build, read, f"the {dtype} cache")
 
@@ -384,7 +384,8 @@ def _load_gguf(file: GGUFFile, meta: Path, dtype: str, sha256: str, context: int
     if dtype == "gguf":
         model = Transformer(cfg, weights, dtype, grids=file, embed=RowEmbedding(file, embed_name))
     elif dtype in QUANT_FORMAT:
-        model = _quantized_model(sha256[:16], str(file.path.resolve()), dtype, cfg, weights, tokenizer, grids=file)
+        model = _quantized_model(sha256[:16], str(file.path.resolve()), dtype, cfg, weights, tokenizer, grids=file,
+                                 embed=RowEmbedding(file, embed_name))
     else:
         model = Transformer(cfg, weights, dtype)
     return model, tokenizer, weights

@@ -47,13 +47,14 @@ class TextGenerator:
 
     @classmethod
     def load(cls, target: str, draft: str | None = None, dtype: str = DEFAULT_DTYPE, draft_dtype: str | None = None,
-             head: str | Path | None = "auto"):
+             head: str | Path | None = "auto", context: int = loading.CONTEXT):
         """``head``: a draft head file, "auto" (the head shipped for the target, if any) or None;
-        it is read only when a proposer uses it."""
+        it is read only when a proposer uses it. ``context``: the tokens of KV cache the memory
+        check counts (a model that cannot fit with it is refused before loading)."""
         if draft == AUTO:
             draft = auto_draft(target)
-        t = loading.load(target, dtype)
-        d = loading.load(draft, draft_dtype or dtype, role="draft") if draft else None
+        t = loading.load(target, dtype, context=context)
+        d = loading.load(draft, draft_dtype or dtype, role="draft", context=context) if draft else None
         text = d is not None and not same_tokenizer(t, d)
         if text:
             notice(f"{d.name} has another tokenizer than {t.name}: it drafts text, which the target's tokenizer "

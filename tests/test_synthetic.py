@@ -166,7 +166,7 @@ def test_a_model_that_cannot_fit_is_refused_in_one_line_before_loading(small, mo
         loading.load(str(path), context=4096)
     message = str(info.value)
     assert "\n" not in message and "does not fit" in message and "0.1 GB of memory available" in message
-    assert "smaller --max-context" in message and "damaged" not in message
+    assert "shorter context (specdec serve --max-model-len)" in message and "damaged" not in message
 
 
 def test_a_memory_error_while_loading_is_never_called_damage(small, monkeypatch):

@@ -107,6 +107,8 @@ def _child(runtime: str, path: Path, draft: str | None, context: int, tokens: in
         tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
         return {"error": " | ".join(tail) or f"exit {run.returncode}"}
     result = json.loads(lines[-1])
+    if "error" in result:
+        return result
     result["wall_to_first_token_s"] = result.pop("first_token_at") - start
     return result
 
@@ -188,7 +190,7 @@ def report(rows: list[dict]) -> str:
     for row in rows:
         first, later = row["first"], row["later"]
         if "error" in first or "error" in later:
-            lines.append(f"| {row['case']} | {row['file_gb']:.2f} | {row['runtime']} | failed: "
+            lines.append(f"| {row['case']} | {row['file_gb']:.2f} | {row['runtime']} | refused or failed: "
                          f"{first.get('error') or later.get('error')} | | | | | |")
             continue
         peer = next((r for r in rows if r["case"] == row["case"] and r["runtime"] == "llama.cpp"
@@ -208,8 +210,14 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
+    from specdec.models.loading import ModelLoadError
+
     measure = _measure_specdec if spec["runtime"] == "specdec" else _measure_llamacpp
-    print(json.dumps(measure(spec)), flush=True)
+    try:
+        result = measure(spec)
+    except ModelLoadError as exc:  # a refusal (does not fit, unsupported): the row says it in one line
+        result = {"error": str(exc)}
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_replicas(args, spec, config)
     spec = with_default_draft(args, spec)
     config = replace(config, speculation=spec)
-    gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto")
+    gen = TextGenerator.load(args.target, args.draft, args.dtype, args.draft_dtype, head=args.head or "auto",
+                             context=args.max_model_len)
     print(f"specdec: {spec.describe()}", file=sys.stderr)
     limit = gen.target.model.cfg.max_position_embeddings
     if args.max_model_len > limit:

@@ -87,7 +87,8 @@ def check(file, cfg: ModelConfig, dtype: str, context: int) -> None:
                 f"{file.path.name} does not fit: it needs ~{needed / 1e9:.1f} GB ({dtype} weights "
                 f"{weight_bytes(file, dtype) / 1e9:.1f} GB + KV cache at {context} tokens "
                 f"{kv_bytes(cfg, context) / 1e9:.2f} GB + runtime), and {have / 1e9:.1f} GB of {what} is there; "
-                f"use a smaller file (fewer bits a weight, or a smaller model){' or a smaller --max-context' if context > 512 else ''}")
+                f"use a smaller file (fewer bits a weight, or a smaller model)"
+                f"{' or a shorter context (specdec serve --max-model-len)' if context > 512 else ''}")
 
 
 def out_of_memory(source: Path, exc: BaseException) -> str:
@@ -95,4 +96,4 @@ def out_of_memory(source: Path, exc: BaseException) -> str:
     there = ", ".join(f"{v / 1e9:.1f} GB {w}" for v, w in ((mem, "available"), (address, "of address space left"))
                       if v is not None)
     return (f"out of memory while loading {Path(source).name} ({there or 'memory unknown'}): the file is not damaged; "
-            f"use a smaller file or a smaller --max-context")
+            f"use a smaller file or a shorter context (specdec serve --max-model-len)")

@@ -9,6 +9,7 @@ refused in one line before anything is read.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -200,3 +201,17 @@ def test_the_scale_benchmark_measures_a_case_and_resumes(small, tmp_path):
     assert scale.run_scale(out, [case], None, 512, 2, 16.0, llamacpp=False) == rows
     with pytest.raises(ValueError, match="neither SHAPE:MIX"):
         scale.case_file("no-such-shape.gguf")
+
+
+@needs_kernels
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama.cpp is an optional extra: pip install -e '.[llamacpp]'")
+def test_the_scale_benchmark_runs_llama_cpp_beside_and_interleaved(small, tmp_path, monkeypatch):
+    from specdec.bench import scale
+
+    monkeypatch.setitem(synthetic.SHAPES, "wide-vocab", synthetic.Shape("llama", 16384, 256, 512, 2, 4, 2, 64, False, 5e5, 4096))
+    case = str(small("wide-vocab"))
+    rows = scale.run_scale(tmp_path / "scale", [case], None, 512, 2, 16.0, llamacpp=True)
+    assert [r["runtime"] for r in rows] == ["specdec", "llama.cpp", "interleaved"]
+    assert all("error" not in r["later"] for r in rows), rows
+    assert len(rows[2]["later"]["tpot_ms"]["llama.cpp"]) == 4
+    assert "Interleaved in one process" in (tmp_path / "scale" / "scale.md").read_text()

@@ -13,7 +13,9 @@ For each case (a synthetic shape and mix of :mod:`specdec.models.synthetic`, e.g
   beside the file's size; the KV cache of a ``--context``-token row is added as computed (fp32
   keys and values), since a short benchmark prompt never fills it.
 
-llama.cpp (``pip install -e '.[llamacpp]'``) runs the same file, threads and context the same way.
+llama.cpp (``pip install -e '.[llamacpp]'``) runs the same file, threads and context the same way;
+then both run in one process, alternating for 4 rounds (TPOT and the 5-token forward), since
+this host's speed drifts between processes minutes apart.
 Each case's results are appended to ``scale.jsonl`` in ``--out`` as it finishes (a rerun skips
 the cases there) and the table is written to ``scale.md``. Every child process runs under an
 address-space limit (``--memory-cap``), so a file that cannot fit fails alone.
@@ -75,11 +77,23 @@ def run_scale(out: Path, cases: list[str], draft: str | None, context: int, toke
             row["first"] = _child(runtime, path, None, context, tokens, memory_cap, full=False)
             row["later"] = _child(runtime, path, draft if runtime == "specdec" else None, context, tokens, memory_cap,
                                   full=True)
-            done.append(row)
-            with open(out / "scale.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            _append(out, done, row)
+        ours = next((r for r in done if r["case"] == case and r["runtime"] == "specdec"), {"later": {"error": ""}})
+        if ("llama.cpp" in runtimes and "error" not in ours["later"]
+                and not any(r["case"] == case and r["runtime"] == "interleaved" for r in done)):
+            print(f"{case}: specdec and llama.cpp interleaved ...", file=sys.stderr, flush=True)
+            row = {"case": case, "file": str(path), "file_gb": path.stat().st_size / 1e9, "runtime": "interleaved",
+                   "cpu": cpu_name(), "threads": _threads(), "context": context}
+            row["later"] = _child("interleaved", path, None, context, tokens, memory_cap, full=True)
+            _append(out, done, row)
     (out / "scale.md").write_text(report(done))
     return done
+
+
+def _append(out: Path, done: list[dict], row: dict) -> None:
+    done.append(row)
+    with open(out / "scale.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _rows(out: Path) -> list[dict]:
@@ -107,7 +121,7 @@ def _child(runtime: str, path: Path, draft: str | None, context: int, tokens: in
         tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
         return {"error": " | ".join(tail) or f"exit {run.returncode}"}
     result = json.loads(lines[-1])
-    if "error" in result:
+    if "error" in result or "first_token_at" not in result:
         return result
     result["wall_to_first_token_s"] = result.pop("first_token_at") - start
     return result
@@ -180,6 +194,39 @@ def _measure_llamacpp(spec: dict) -> dict:
             "peak_rss_gb": _peak_rss() / 1e9}
 
 
+def _measure_interleaved(spec: dict, rounds: int = 4) -> dict:
+    """Both runtimes in one process, alternating round by round (this host's speed drifts over
+    minutes, so separate processes' ratios move): TPOT and the 5-token forward against 1."""
+    import torch
+
+    from specdec.bench import llamacpp as peer
+    from specdec.bench.measure import forward_scaling
+    from specdec.core.engine import generate
+    from specdec.models import loading
+    from specdec.verify.sampling import SamplingParams
+
+    greedy, n = SamplingParams(temperature=0.0), spec["tokens"]
+    target = loading.load(spec["path"], context=spec["context"])
+    llm = peer.open_file(Path(spec["path"]), spec["threads"], spec["context"])
+    ids = prompt(target.model.vocab_size)
+
+    def ours(count: int) -> float:
+        t = time.perf_counter()
+        generate(target.model, [ids], greedy, count)
+        return time.perf_counter() - t
+
+    out = {"tpot_ms": {"specdec": [], "llama.cpp": []}, "forward_5_vs_1": {"specdec": [], "llama.cpp": []}}
+    with torch.inference_mode():
+        ours(2), peer.greedy_seconds(llm, ids, 2)  # warm-up
+        for _ in range(rounds):
+            out["tpot_ms"]["specdec"].append((ours(1 + n) - ours(1)) / n * 1e3)
+            out["tpot_ms"]["llama.cpp"].append((peer.greedy_seconds(llm, ids, 1 + n) - peer.greedy_seconds(llm, ids, 1)) / n * 1e3)
+            for name, f in (("specdec", forward_scaling(target.model, sizes=(1, 5), repeats=3)),
+                            ("llama.cpp", peer.forward_scaling(llm, sizes=(1, 5), repeats=3))):
+                out["forward_5_vs_1"][name].append(f[5] / f[1])
+    return out
+
+
 def report(rows: list[dict]) -> str:
     """The markdown table, one line a case and runtime, with llama.cpp's ratio where it ran."""
     lines = [f"CPU: {rows[0]['cpu']}, {rows[0]['threads']} threads, context {rows[0]['context']}" if rows else "",
@@ -187,7 +234,7 @@ def report(rows: list[dict]) -> str:
              "| case | file GB | runtime | first load s | later load s | peak RSS GB (+ KV at context) | "
              "TPOT ms | tok/s vs llama.cpp | 2 / 3 / 5 / 9 tokens vs 1 |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
+    for row in (r for r in rows if r["runtime"] != "interleaved"):
         first, later = row["first"], row["later"]
         if "error" in first or "error" in later:
             lines.append(f"| {row['case']} | {row['file_gb']:.2f} | {row['runtime']} | refused or failed: "
@@ -202,7 +249,29 @@ def report(rows: list[dict]) -> str:
         lines.append(f"| {row['case']} | {row['file_gb']:.2f} | {row['runtime']} | {first['wall_to_first_token_s']:.1f} | "
                      f"{later['wall_to_first_token_s']:.1f} | {later['peak_rss_gb']:.2f}{kv} | {later['tpot_ms']:.0f} | "
                      f"{ratio} | {scaling} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _interleaved(rows)) + "\n"
+
+
+def _interleaved(rows: list[dict]) -> list[str]:
+    """The second table: both runtimes in one process, medians over the alternating rounds."""
+    import statistics
+
+    pairs = [r for r in rows if r["runtime"] == "interleaved"]
+    if not pairs:
+        return []
+    lines = ["", "Interleaved in one process (medians of the rounds):", "",
+             "| case | specdec TPOT ms | llama.cpp TPOT ms | tok/s vs llama.cpp | 5 tokens vs 1: specdec / llama.cpp |",
+             "|---|---|---|---|---|"]
+    for row in pairs:
+        r = row["later"]
+        if "error" in r:
+            lines.append(f"| {row['case']} | failed: {r['error']} | | | |")
+            continue
+        t = {k: statistics.median(v) for k, v in r["tpot_ms"].items()}
+        f = {k: statistics.median(v) for k, v in r["forward_5_vs_1"].items()}
+        lines.append(f"| {row['case']} | {t['specdec']:.0f} | {t['llama.cpp']:.0f} | {t['llama.cpp'] / t['specdec']:.2f}x | "
+                     f"{f['specdec']:.2f} / {f['llama.cpp']:.2f} |")
+    return lines
 
 
 def main() -> None:
@@ -212,7 +281,8 @@ def main() -> None:
     torch.set_num_threads(spec["threads"])
     from specdec.models.loading import ModelLoadError
 
-    measure = _measure_specdec if spec["runtime"] == "specdec" else _measure_llamacpp
+    measure = {"specdec": _measure_specdec, "llama.cpp": _measure_llamacpp,
+               "interleaved": _measure_interleaved}[spec["runtime"]]
     try:
         result = measure(spec)
     except ModelLoadError as exc:  # a refusal (does not fit, unsupported): the row says it in one line

@@ -1,6 +1,6 @@
 """Files that specdec derives and keeps under ``$SPECDEC_HOME``: one mechanism for all of them.
 
-Every derived file (an assembled GGUF, a converted Hugging Face directory, int8 weights,
+Every derived file (an assembled GGUF, a GGUF file's config and tokenizer, int8 weights,
 calibration statistics) follows the same four rules:
 
 * **Keyed by content.** A cache built from other files is named by :func:`fingerprint` of those

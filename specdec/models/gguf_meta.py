@@ -1,10 +1,11 @@
 """What a GGUF file says about its model, beyond what transformers' GGUF reader maps.
 
-specdec converts a GGUF file through transformers' GGUF reader (weights and tokenizer), whose
-config mapping drops what llama.cpp stores about rope: its scaling (``{arch}.rope.scaling.*``:
+specdec builds a GGUF file's config and tokenizer through transformers' GGUF reader (the weights
+load in place, :mod:`specdec.models.gguf_file`), whose config mapping drops what llama.cpp stores
+about rope: its scaling (``{arch}.rope.scaling.*``:
 linear, YaRN), per-frequency factors (the ``rope_freqs`` tensor of Llama 3.1+), LongRoPE's
 ``rope_factors_long``/``rope_factors_short`` and a partial rotary dimension (Phi-3.5, Phi-4-mini).
-:func:`rope_settings` reads them into the converted config, so such files load as the model they
+:func:`rope_settings` reads them into the config, so such files load as the model they
 are. What cannot be mapped exactly is refused by :func:`check` with one line naming it, before
 anything is written to the cache: another architecture, a YaRN attention factor (llama.cpp's and
 transformers' differ), partial rotary outside Phi-3, Gemma's softcapping values or query scale
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from specdec.runtime.config import UnsupportedModel
+from specdec.runtime.gguf_linear import KERNELS
 
 # llama.cpp's architecture names that specdec converts (Mistral files are "llama").
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
@@ -30,8 +32,8 @@ GEMMA2_ASSUMED = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.
 
 
 def _field(reader, name: str):
-    value = reader.field(name)
-    return value.tolist() if hasattr(value, "tolist") else value
+    """A metadata value as Python data (the header parser returns ints, floats, strings, lists)."""
+    return reader.field(name)
 
 
 def check(reader, path: Path) -> None:
@@ -135,7 +137,7 @@ def tensor_types(reader) -> Counter:
 # What each runtime dtype does to a file's weight matrices: the storage types it keeps exactly,
 # and how it lowers the others. Float32 holds every dequantized value exactly.
 KEPT = {"q4k": {"Q4_K"}, "q4": set(), "int8": set(), "bfloat16": {"BF16"}, "float32": None}
-NATIVE = ("Q4_K", "Q6_K")  # the types the gguf dtype runs in their own kernels
+NATIVE = tuple(KERNELS)  # the types the gguf dtype runs in their own kernels
 LOWERED_TO = {"q4k": "4 bits (q4k)", "q4": "4 bits (q4)", "int8": "8 bits (int8)", "bfloat16": "bf16"}
 
 

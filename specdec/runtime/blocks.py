@@ -1,0 +1,232 @@
+"""GGUF's 32-weight block types kept exactly: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q5_K.
+
+One kernel family (``kernels/blocks.cpp``): a type is a code width (4, 5 or 8 bits) and a scale
+rule, per group of 32 inputs and output:
+
+- SYM (Q4_0, Q5_0, Q8_0): ``w = d * (u - z)``, ``d`` fp16, ``z`` = 8, 16, 128 (Q8_0's signed
+  codes are kept as ``u = q + 128``);
+- AFFINE (Q4_1, Q5_1): ``w = d * u + m``;
+- KQ (Q5_K): ``w = (d * sc) * u - dmin * mn`` with 6-bit ``sc``, ``mn`` per group and ``d``,
+  ``dmin`` per superblock of 8 groups.
+
+:class:`BlockGrid` is a matrix as the file stores it (codes and scales, rows in transformers'
+order); :meth:`BlockGrid.dequantize` repeats the ``gguf`` package's operations, so the weights the
+kernel multiplies are the file's bit for bit (tested). :func:`pack` is the torch reference of the
+kernel's repack from the file (``blocks_repack``, compared byte for byte) and
+:func:`reference_linear` the reference of its product (compared bit for bit on every instruction
+set this CPU has, and the portable path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec.runtime import native
+from specdec.runtime.q4 import PackedLinear
+
+TILE, GROUP, SUPER = 16, 32, 8  # outputs per tile; inputs per group; groups per Q5_K superblock
+SYM, AFFINE, KQ = "sym", "affine", "kq"
+
+
+@dataclass(frozen=True)
+class BlockType:
+    id: int  # the kernel's type number
+    bits: int
+    rule: str
+    zero: int
+    block_bytes: int  # one block in the file
+    block_groups: int  # groups of 32 in one block
+
+
+TYPES = {
+    "Q4_0": BlockType(0, 4, SYM, 8, 18, 1),
+    "Q4_1": BlockType(1, 4, AFFINE, 0, 20, 1),
+    "Q5_0": BlockType(2, 5, SYM, 16, 22, 1),
+    "Q5_1": BlockType(3, 5, AFFINE, 0, 24, 1),
+    "Q8_0": BlockType(4, 8, SYM, 128, 34, 1),
+    "Q5_K": BlockType(5, 5, KQ, 0, 176, 8),
+}
+
+
+@dataclass
+class BlockGrid:
+    """Rows of a weight as a block type stores them: ``codes`` ``[N, K]`` uint8; ``d`` fp16
+    ``[N, G]`` (``[N, K/256]`` for KQ); AFFINE ``m`` ``[N, G]`` fp16; KQ ``sc``, ``mn`` ``[N, G]``
+    uint8 and ``dmin`` ``[N, K/256]`` fp16."""
+
+    type: str
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+    sc: torch.Tensor | None = None
+    mn: torch.Tensor | None = None
+    dmin: torch.Tensor | None = None
+
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    def step_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """KQ's per-group ``(d * sc, dmin * mn)`` ``[N, G]`` fp32 (both exact products)."""
+        rep = lambda t: t.float().repeat_interleave(SUPER, 1)  # noqa: E731
+        return rep(self.d) * self.sc.float(), rep(self.dmin) * self.mn.float()
+
+    def dequantize(self) -> torch.Tensor:
+        """``[N, K]`` fp32 in the ``gguf`` package's operations."""
+        t = TYPES[self.type]
+        n, k = self.codes.shape
+        u = self.codes.view(n, k // GROUP, GROUP)
+        if t.rule == SYM:
+            w = self.d.float().unsqueeze(-1) * (u.int() - t.zero).float()
+        elif t.rule == AFFINE:
+            w = self.d.float().unsqueeze(-1) * u.float() + self.m.float().unsqueeze(-1)
+        else:
+            step, offset = self.step_offset()
+            w = step.unsqueeze(-1) * u.float() - offset.unsqueeze(-1)
+        return w.reshape(n, k)
+
+
+def _fp16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).squeeze(-1)
+
+
+def decode_blocks(raw: np.ndarray, type_name: str) -> BlockGrid:
+    """``raw`` ``[N, row bytes]`` uint8 (N rows of the type's blocks) -> their grid."""
+    t = TYPES[type_name]
+    n = raw.shape[0]
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(n, -1, t.block_bytes)  # [N, B, bytes]
+    if t.rule == KQ:
+        return _decode_q5k(b)
+    at = 4 if t.rule == AFFINE else 2
+    d = _fp16(b[..., 0:2])
+    m = _fp16(b[..., 2:4]) if t.rule == AFFINE else None
+    if t.bits == 8:
+        codes = b[..., 2:34] ^ 0x80
+    else:
+        qh = b[..., at : at + 4] if t.bits == 5 else None
+        qs = b[..., at + (4 if t.bits == 5 else 0):]  # [N, B, 16]
+        codes = torch.cat([qs & 0x0F, qs >> 4], -1)  # [N, B, 32]: weight l < 16 low, 16 + l high
+        if qh is not None:
+            bits = torch.arange(32)
+            high = (qh[..., bits // 8] >> (bits % 8).to(torch.uint8)) & 1  # [N, B, 32]
+            codes = codes | (high << 4)
+    return BlockGrid(type_name, codes.reshape(n, -1).contiguous(), d, m)
+
+
+def _scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins ``[..., 12]`` -> ``sc``, ``mn`` ``[..., 8]``."""
+    lo, hi = s[..., 0:4], s[..., 8:12]
+    sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 6) << 4)], -1)
+    mn = torch.cat([s[..., 4:8] & 0x3F, (hi >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc, mn
+
+
+def _decode_q5k(b: torch.Tensor) -> BlockGrid:
+    n, nb = b.shape[:2]
+    sc, mn = _scale_min(b[..., 4:16])  # [N, B, 8]
+    qh, qs = b[..., 16:48], b[..., 48:176].reshape(n, nb, 4, 32)
+    groups = torch.arange(8)
+    low = (qs[:, :, groups // 2] >> (4 * (groups % 2)).to(torch.uint8).view(1, 1, 8, 1)) & 0x0F  # [N, B, 8, 32]
+    high = (qh.unsqueeze(2) >> groups.to(torch.uint8).view(1, 1, 8, 1)) & 1
+    codes = (low | (high << 4)).reshape(n, -1)
+    return BlockGrid("Q5_K", codes.contiguous(), _fp16(b[..., 0:2]), sc=sc.reshape(n, -1), mn=mn.reshape(n, -1),
+                     dmin=_fp16(b[..., 2:4]))
+
+
+def tile_bytes(type_name: str, in_features: int) -> int:
+    """Bytes of one tile of 16 outputs in the kernel's layout (see ``kernels/blocks.cpp``)."""
+    t = TYPES[type_name]
+    code = 512 if t.bits == 8 else 320 if t.bits == 5 else 256
+    chunk = code + (64 if t.rule == AFFINE else 32)
+    g = in_features // GROUP
+    return g * chunk + (g // SUPER * 64 if t.rule == KQ else 0)
+
+
+def _padded(grid: BlockGrid) -> BlockGrid:
+    pad = -grid.rows() % TILE
+    if not pad:
+        return grid
+    grow = lambda x: None if x is None else torch.cat([x, x.new_zeros(pad, *x.shape[1:])])  # noqa: E731
+    return BlockGrid(grid.type, grow(grid.codes), grow(grid.d), grow(grid.m), grow(grid.sc), grow(grid.mn), grow(grid.dmin))
+
+
+def pack(grid: BlockGrid) -> torch.Tensor:
+    """A grid -> the kernel's tiles ``[N16/16, tile bytes]`` (rows padded with zeros): the torch
+    reference of ``blocks_repack``."""
+    t = TYPES[grid.type]
+    g = _padded(grid)
+    n16, k = g.codes.shape
+    nt, groups = n16 // TILE, k // GROUP
+    tile_first = lambda x: x.reshape(nt, TILE, groups, *x.shape[2:]).transpose(1, 2)  # noqa: E731  [NT, G, 16, ...]
+    if t.bits == 8:
+        c = g.codes.view(nt, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [NT, G, r, o, t]
+        parts = [c.reshape(nt, groups, 512)]
+    else:
+        c = g.codes.view(nt, TILE, groups, 2, 4, 4)  # [NT, o, G, half, r, t]
+        low = (c[:, :, :, 0] & 0x0F) | ((c[:, :, :, 1] & 0x0F) << 4)  # [NT, o, G, r, t]
+        parts = [low.permute(0, 2, 3, 1, 4).reshape(nt, groups, 256)]
+        if t.bits == 5:
+            top = c >> 4  # [NT, o, G, half, r, t]
+            shift = (4 * torch.arange(2).view(2, 1) + torch.arange(4).view(1, 4)).to(torch.uint8).view(1, 1, 1, 2, 4, 1)
+            hb = (top << shift).sum((3, 4), dtype=torch.int32).to(torch.uint8)  # [NT, o, G, t]: distinct bits
+            parts.append(hb.permute(0, 2, 1, 3).reshape(nt, groups, 64))
+    if t.rule == KQ:
+        parts += [tile_first(g.sc).contiguous(), tile_first(g.mn).contiguous()]
+    else:
+        parts.append(tile_first(g.d).contiguous().view(torch.uint8).reshape(nt, groups, 32))
+        if t.rule == AFFINE:
+            parts.append(tile_first(g.m).contiguous().view(torch.uint8).reshape(nt, groups, 32))
+    chunks = torch.cat(parts, -1)  # [NT, G, chunk]
+    if t.rule == KQ:
+        s = groups // SUPER
+        head = torch.cat([x.view(nt, TILE, s).transpose(1, 2).contiguous().view(torch.uint8) for x in (g.d, g.dmin)], -1)
+        chunks = torch.cat([head, chunks.reshape(nt, s, -1)], -1)  # [NT, S, 64 + 8 chunks]
+    return chunks.reshape(nt, -1).contiguous()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` -> codes ``[M, G, 32]`` int8, scales ``[M, G]``, code sums ``[M, G]``
+    (int64), exactly as the kernel computes them."""
+    m, k = x.shape
+    groups = x.float().view(m, k // GROUP, GROUP)
+    d = groups.abs().amax(-1) / 127.0  # [M, G]
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    q = torch.round(groups * inv.unsqueeze(-1)).clamp_(-127, 127)
+    return q.to(torch.int8), d, q.long().sum(-1)
+
+
+def reference_linear(x: torch.Tensor, grid: BlockGrid, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's computation in plain torch, one rounding per operation in its order (slow;
+    the bit-exact reference for the tests). ``x`` ``[M, K]`` -> ``[M, N]``."""
+    t = TYPES[grid.type]
+    xq, xd, xs = quantize_activations(x)  # [M, G, 32], [M, G], [M, G]
+    n, k = grid.codes.shape
+    idot = torch.einsum("mgj,ngj->mng", xq.long(), grid.codes.long().view(n, k // GROUP, GROUP))  # [M, N, G] exact
+    xs3 = xs.unsqueeze(1)  # [M, 1, G]
+    if t.rule == SYM:
+        tg = grid.d.float() * (idot - t.zero * xs3).float()
+    elif t.rule == AFFINE:
+        tg = grid.d.float() * idot.float() + grid.m.float() * xs3.float()
+    else:
+        step, offset = grid.step_offset()
+        tg = step * idot.float() - offset * xs3.float()
+    acc = torch.zeros(x.shape[0], n)
+    for g in range(k // GROUP):
+        acc = acc + xd[:, g : g + 1] * tg[:, :, g]
+    return acc if bias is None else acc + bias.float()
+
+
+def kernel():
+    return native.kernel("blocks")
+
+
+class BlockLinear(PackedLinear):
+    """A linear layer over one of :data:`TYPES`, its weights exactly the file's: ``state`` holds
+    ``packed`` ``[N16/16, tile bytes]``, ``out_features``, ``in_features``, ``type`` (the kernel's
+    type number) and optionally ``bias``."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        type_id, run = int(state["type"]), kernel().blocks_linear
+        super().__init__(state, int(state["in_features"]), lambda x, packed, bias: run(x, packed, bias, type_id))

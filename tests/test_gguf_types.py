@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from specdec.runtime import q4, q6k
+from specdec.runtime import blocks, q4, q6k
 
 
 def random_q6k(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -81,8 +81,8 @@ def random_q4k(rows: int, cols: int, seed: int, block: int = 144) -> np.ndarray:
 
 
 # How the tiny GGUF stores each linear, by layer: the first as Q4_K_M does (Q4_K, v and down as
-# Q6_K, which run in their kernels) with a Q8_0 and an F16 tensor; the second in the other types
-# (run as their exact fp32 values). With the Q6_K output, every type issue 56 names.
+# Q6_K) with a Q8_0 and an F16 tensor; the second in the other types. Every quantized type runs in
+# its kernel, the float ones as fp32. With the Q6_K output, every type issue 56 names.
 STORED = [{"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q4_K",
            "ffn_up": "F16", "ffn_down": "Q6_K"},
           {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "BF16",
@@ -189,6 +189,9 @@ def _weights(layer) -> torch.Tensor:
         return torch.cat([_weights(part) for part in layer.parts])
     if isinstance(layer, q6k.Q6KLinear):
         return q6k.unpack({"packed": layer.packed}).dequantize()[: layer.out_features]
+    if isinstance(layer, blocks.BlockLinear):
+        state = {"packed": layer.packed, "type": torch.tensor(layer.type_id), "in_features": torch.tensor(layer.in_features)}
+        return blocks.unpack(state).dequantize()[: layer.out_features]
     if isinstance(layer, FloatLinear):
         return layer.weight
     return q4.dequantize_q4k({"packed": layer.packed, "out_features": torch.tensor(layer.out_features)}, layer.in_features)
@@ -216,9 +219,9 @@ def test_every_runtime_weight_is_the_file_weight_by_default(tiny_gguf, capsys):
     for attempt in ("built", "cached"):
         model = loading.load(str(tiny_gguf))
         assert model.model.dtype_name == "gguf"
-        others = ", ".join(t for t in TYPES if t not in ("Q4_K", "Q6_K"))
-        assert model.precision == (f"gguf: the stored weights exactly (Q4_K, Q6_K in their own kernels; {others} "
-                                   "as exact float32 (no native kernel yet))"), attempt
+        kernels = ", ".join(t for t in TYPES if t.startswith("Q"))
+        assert model.precision == (f"gguf: the stored weights exactly ({kernels} in their own kernels; "
+                                   "BF16, F16, F32 as exact float32)"), attempt
         for i, block in enumerate(model.model.blocks):
             parts = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
                      "down": ("ffn_down",)}

@@ -245,15 +245,18 @@ class GGUFFile:
         return src, rows.long()
 
     def grid(self, hf_name: str, lo: int = 0, hi: int | None = None):
-        """Rows ``lo:hi`` of a Q4_K or Q6_K matrix as its kernel grid (the file's codes and scales,
-        rows in transformers' order), or None for another type."""
-        from gguf import GGMLQuantizationType as T
-
+        """Rows ``lo:hi`` of a matrix of a type with a kernel as its grid (the file's codes and
+        scales, rows in transformers' order: :class:`~specdec.runtime.q4.Q4KGrid`,
+        :class:`~specdec.runtime.q6k.Q6KGrid` or :class:`~specdec.runtime.blocks.BlockGrid`), or
+        None for another type."""
         from specdec.models.gguf_q4k import decode_blocks
-        from specdec.runtime import q6k
+        from specdec.runtime import blocks, q6k
 
         info = self._info(hf_name)
-        decode = {T.Q4_K: decode_blocks, T.Q6_K: q6k.decode_blocks}.get(T(info.type))
+        kind = info.type_name
+        decode = {"Q4_K": decode_blocks, "Q6_K": q6k.decode_blocks}.get(kind)
+        if decode is None and kind in blocks.TYPES:
+            decode = lambda raw: blocks.decode_blocks(raw, kind)  # noqa: E731
         if decode is None:
             return None
         hi = info.shape[0] if hi is None else hi

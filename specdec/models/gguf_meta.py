@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from specdec.runtime.config import UnsupportedModel
-from specdec.runtime.gguf_linear import KERNELS
+from specdec.runtime.gguf_linear import FLOATS, KERNELS
 
 # llama.cpp's architecture names that specdec converts (Mistral files are "llama").
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
@@ -60,6 +60,19 @@ def check(reader, path: Path) -> None:
         _check_gemma2(reader, refuse)
     if arch in ("gemma2", "gemma3") and head_dim != 256:  # transformers assumes query_pre_attn_scalar = 256
         raise refuse(f"Gemma's query scale for a head size of {head_dim} (27B models scale by another)")
+
+
+def check_kernels(reader, path: Path) -> None:
+    """Raise :class:`UnsupportedModel` (one line) where a weight matrix of ``path`` has a storage
+    type the ``gguf`` dtype has no kernel for: such a file is never run as fp32 or re-quantized
+    unless asked (``--dtype``)."""
+    types = tensor_types(reader)
+    missing = sorted(t for t in types if t not in KERNELS and t not in FLOATS)
+    if missing:
+        listed = ", ".join(f"{t} ({types[t]} matrices)" for t in missing)
+        raise UnsupportedModel(f"{path.name}: no kernel for {listed}; specdec runs {', '.join(sorted(NATIVE))} in place "
+                               f"and {', '.join(FLOATS)} as fp32 (--dtype q4k re-quantizes every matrix to 4 bits, "
+                               f"--dtype float32 dequantizes them)")
 
 
 def _head_dim(reader, arch: str) -> int | None:
@@ -151,7 +164,7 @@ def precision(types: Counter, dtype: str) -> tuple[str, bool]:
         native = sorted(t for t in types if t in NATIVE)
         others = sorted(t for t in types if t not in NATIVE)
         parts = ([f"{', '.join(native)} in their own kernels"] if native else []) + (
-            [f"{', '.join(others)} as exact float32 (no native kernel yet)"] if others else [])
+            [f"{', '.join(others)} as exact float32"] if others else [])
         return f"gguf: the stored weights exactly ({'; '.join(parts) or 'no weight matrices'})", False
     kept = KEPT[dtype]
     if kept is None:

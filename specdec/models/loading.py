@@ -336,10 +336,7 @@ class _Q4KOnly:
         self.file = file
 
     def get(self, name: str):
-        from specdec.runtime.q4 import Q4KGrid
-
-        grid = self.file.grid(name) if self.file.has(name) else None
-        return grid if isinstance(grid, Q4KGrid) else None
+        return self.file.grid(name) if self.file.has(name) and self.file.type_of(name) == "Q4_K" else None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -378,6 +375,8 @@ def _load_gguf(file: GGUFFile, meta: Path, dtype: str, sha256: str, context: int
         with cache.build_lock(meta):
             cache.remove(meta)
         cfg, tokenizer = _config_and_tokenizer(metadata_dir(file, sha256))
+    if dtype == "gguf":
+        gguf_meta.check_kernels(file, file.path)
     memory.check(file, cfg, dtype, context)  # refuses before anything large is allocated
     weights = GGUFWeights(file)
     embed_name = "model.embed_tokens.weight"
@@ -395,8 +394,8 @@ def resolve_dtype(dtype: str, gguf: Path | None, role: str = "target") -> str:
     """``auto``: a GGUF target at its file's own precision (``gguf``: every tensor in place) where
     this CPU runs its kernels; anything else at the fast default
     (:data:`specdec.runtime.linear.FAST_DTYPE`): a draft's precision changes how often its drafts
-    are accepted, never the output, and q4k runs all of a draft's matrices in a kernel (the
-    ``gguf`` dtype still runs some types, e.g. a Q4_K_M draft's Q5_0 and Q8_0, as fp32)."""
+    are accepted, never the output, and q4k's 4.6 bits a weight read fewer bytes than a Q4_K_M
+    draft's Q5_0, Q6_K and Q8_0 matrices."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}; got {dtype!r}")
     if dtype == "gguf" and gguf is None:

@@ -186,6 +186,42 @@ def pack(grid: BlockGrid) -> torch.Tensor:
     return chunks.reshape(nt, -1).contiguous()
 
 
+def unpack(state: dict[str, torch.Tensor]) -> BlockGrid:
+    """The grid of a :class:`BlockLinear` state (rows padded to 16): the inverse of :func:`pack`,
+    so that a test reads back the weights the kernel multiplies."""
+    name = next(n for n, t in TYPES.items() if t.id == int(state["type"]))
+    t, packed, k = TYPES[name], state["packed"], int(state["in_features"])
+    nt, groups = packed.shape[0], k // GROUP
+    code = 512 if t.bits == 8 else 320 if t.bits == 5 else 256
+    chunk = code + (64 if t.rule == AFFINE else 32)
+    rows_first = lambda x: x.permute(0, 2, 1).reshape(nt * TILE, -1)  # noqa: E731  [NT, G, 16] -> [N16, G]
+    head = None
+    if t.rule == KQ:
+        p = packed.view(nt, groups // SUPER, -1)
+        head, chunks = p[..., :64].contiguous(), p[..., 64:].reshape(nt, groups, chunk)
+    else:
+        chunks = packed.view(nt, groups, chunk)
+    if t.bits == 8:
+        c = chunks[..., :512].reshape(nt, groups, 8, TILE, 4).permute(0, 3, 1, 2, 4)  # [NT, o, G, r, t]
+    else:
+        low = chunks[..., :256].reshape(nt, groups, 4, TILE, 4)  # [NT, G, r, o, t]
+        c = torch.stack([low & 0x0F, low >> 4], 2)  # [NT, G, half, r, o, t]
+        if t.bits == 5:
+            hb = chunks[..., 256:320].reshape(nt, groups, 1, 1, TILE, 4)
+            shift = (4 * torch.arange(2).view(2, 1) + torch.arange(4).view(1, 4)).to(torch.uint8).view(1, 1, 2, 4, 1, 1)
+            c = c | (((hb >> shift) & 1) << 4)
+        c = c.permute(0, 4, 1, 2, 3, 5)  # [NT, o, G, half, r, t]
+    codes = c.reshape(nt * TILE, k).contiguous()
+    scales = chunks[..., code:].contiguous()
+    if t.rule == KQ:
+        fp16 = lambda x: x.contiguous().view(torch.float16).permute(0, 2, 1).reshape(nt * TILE, -1)  # noqa: E731
+        return BlockGrid(name, codes, fp16(head[..., :32]), sc=rows_first(scales[..., :16]),
+                         mn=rows_first(scales[..., 16:32]), dmin=fp16(head[..., 32:]))
+    d = rows_first(scales[..., :32].view(torch.float16))
+    m = rows_first(scales[..., 32:64].view(torch.float16)) if t.rule == AFFINE else None
+    return BlockGrid(name, codes, d, m)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` ``[M, K]`` -> codes ``[M, G, 32]`` int8, scales ``[M, G]``, code sums ``[M, G]``
     (int64), exactly as the kernel computes them."""
@@ -230,3 +266,4 @@ class BlockLinear(PackedLinear):
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         type_id, run = int(state["type"]), kernel().blocks_linear
         super().__init__(state, int(state["in_features"]), lambda x, packed, bias: run(x, packed, bias, type_id))
+        self.type_id = type_id

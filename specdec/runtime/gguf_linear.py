@@ -5,9 +5,11 @@ q and k as Q4_K, v as Q6_K). Each part is built from the file's own blocks:
 
 - Q4_K: the q4k kernel over the file's codes and scales (:func:`specdec.runtime.q4.quantize_q4k`);
 - Q6_K: the Q6_K kernel over the file's codes and scales (:mod:`specdec.runtime.q6k`);
-- any other type (F32, F16, BF16, Q8_0, Q5_K, ...): its dequantized values in fp32 — every stored
-  weight exactly, at fp32's speed (no native kernel for them yet; ``specdec models`` and the load
-  notice say which tensors run so).
+- Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K: one kernel family over the file's codes and scales
+  (:mod:`specdec.runtime.blocks`);
+- F32, F16, BF16: their values in fp32 — every stored weight exactly (``specdec models`` and the
+  load notice say which tensors run so). Any other type is refused at load
+  (:func:`specdec.models.gguf_meta.check`).
 
 Consecutive parts of one kind form one layer; a layer of several kinds runs each and concatenates
 the outputs (each part is batch invariant, so the whole is). The blocks are read from the file in
@@ -21,19 +23,16 @@ from __future__ import annotations
 
 import torch
 
-from specdec.runtime import native, q4, q6k
+from specdec.runtime import blocks, native, q4, q6k
 from specdec.runtime.dense import FloatLinear
-from specdec.runtime.q4 import Q4KGrid
-from specdec.runtime.q6k import Q6KGrid
 
-KINDS = ("q4k", "q6k", "float")
+# storage type -> the kernel that runs it in place (a block type's kind is its name); F32, F16 and
+# BF16 run as fp32 ("float")
+KERNELS = {"Q4_K": "q4k", "Q6_K": "q6k", **{t: t for t in blocks.TYPES}}
+FLOATS = ("F32", "F16", "BF16")
+KINDS = ("q4k", "q6k", *blocks.TYPES, "float")
 # a 256-input superblock of one 16-row tile, in each kernel's layout
 TILE_SUPERBLOCK_BYTES = {"q4k": 8 * q4.CODE_BYTES + 8 * 16 * 2 + 4 * q4.TILE, "q6k": q6k.SB_BYTES}
-KERNELS = {"Q4_K": "q4k", "Q6_K": "q6k"}  # storage type -> the kernel that runs it in place; others run as fp32
-
-
-def kind_of(grid) -> str:
-    return "q4k" if isinstance(grid, Q4KGrid) else "q6k" if isinstance(grid, Q6KGrid) else "float"
 
 
 class ConcatLinear(torch.nn.Module):
@@ -75,22 +74,32 @@ def from_file(file, parts: tuple[tuple[str, int], ...], bias: torch.Tensor | Non
 
 
 def _packed_run(file, kind: str, names: list[str], bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Consecutive Q4_K (or Q6_K) parts as one packed layer, written by the repack kernel straight
-    from the mapped blocks into one preallocated tensor (tiles of 16 rows are independent; a part
-    whose rows are not a multiple of 16 is only allowed last: its padding ends the layer)."""
+    """Consecutive parts of one kernel's type as one packed layer, written by a repack kernel
+    straight from the mapped blocks into one preallocated tensor (tiles of 16 rows are
+    independent; a part whose rows are not a multiple of 16 is only allowed last: its padding
+    ends the layer)."""
     rows = [file.tensors[file.gguf_name(n)].shape[0] for n in names]
     cols = file.tensors[file.gguf_name(names[0])].shape[1]
     if any(r % q4.TILE for r in rows[:-1]):  # odd part sizes mid-layer: decode whole parts and concatenate
         return _pack(kind, [file.grid(n) for n in names], bias, cols)
     total = sum(rows)
-    packed = torch.empty(-(-total // q4.TILE), cols // 256 * TILE_SUPERBLOCK_BYTES[kind], dtype=torch.uint8)
-    repack = native.kernel("repack")
+    tile_bytes = blocks.tile_bytes(kind, cols) if kind in blocks.TYPES else cols // 256 * TILE_SUPERBLOCK_BYTES[kind]
+    packed = torch.empty(-(-total // q4.TILE), tile_bytes, dtype=torch.uint8)
     tile = 0
     for n, r in zip(names, rows):
         src, order = file.blocks(n)  # [file rows, row bytes], [r]
-        (repack.q4k_repack if kind == "q4k" else repack.q6k_repack)(src, order, packed, tile)
+        _repack(kind)(src, order, packed, tile)
         tile += -(-r // q4.TILE)
     return _state(kind, packed, total, cols, bias)
+
+
+def _repack(kind: str):
+    """The repack kernel of ``kind``: ``(src, rows, out, tile0)``."""
+    if kind in blocks.TYPES:
+        run, type_id = blocks.kernel().blocks_repack, blocks.TYPES[kind].id
+        return lambda src, rows, out, tile0: run(type_id, src, rows, out, tile0)
+    repack = native.kernel("repack")
+    return repack.q4k_repack if kind == "q4k" else repack.q6k_repack
 
 
 def packed_run_reference(file, kind: str, names: list[str], bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -107,8 +116,10 @@ def packed_run_reference(file, kind: str, names: list[str], bias: torch.Tensor |
 
 def _state(kind: str, packed: torch.Tensor, total: int, cols: int, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
     state = {"packed": packed, "out_features": torch.tensor(total)}
-    if kind == "q4k":
+    if kind == "q4k" or kind in blocks.TYPES:
         state["in_features"] = torch.tensor(cols)
+    if kind in blocks.TYPES:
+        state["type"] = torch.tensor(blocks.TYPES[kind].id)
     if bias is not None:
         state["bias"] = torch.cat([bias.float(), bias.new_zeros(packed.shape[0] * q4.TILE - total).float()])
     return state
@@ -119,8 +130,12 @@ def _pack(kind: str, grids: list, bias: torch.Tensor | None, cols: int) -> dict[
     import dataclasses
 
     cls = type(grids[0])
-    grid = grids[0] if len(grids) == 1 else cls(**{f.name: torch.cat([getattr(g, f.name) for g in grids])
+    cat = lambda parts: parts[0] if not isinstance(parts[0], torch.Tensor) else torch.cat(parts)  # noqa: E731
+    grid = grids[0] if len(grids) == 1 else cls(**{f.name: None if getattr(grids[0], f.name) is None else
+                                                   cat([getattr(g, f.name) for g in grids])
                                                    for f in dataclasses.fields(cls)})
+    if kind in blocks.TYPES:
+        return _state(kind, blocks.pack(grid), grid.rows(), cols, bias)
     if kind == "q6k":
         return q6k.pack(grid, bias)
     return q4.pack_q4k_grid(grid, bias, cols)
@@ -131,6 +146,8 @@ def layer(kind: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         return q4.Q4Linear(state)
     if kind == "q6k":
         return q6k.Q6KLinear(state)
+    if kind in blocks.TYPES:
+        return blocks.BlockLinear(state)
     return FloatLinear(state["weight"], state.get("bias"), torch.float32)
 
 

@@ -1,4 +1,5 @@
-"""GGUF's 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K) in their kernel family.
+"""GGUF's 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K) in their kernel family, and
+its 16-bit float types (F16, BF16) multiplied as stored.
 
 For each type: the grid read from the file dequantizes bit for bit as the ``gguf`` package does;
 the C++ repack writes the torch reference's tiles byte for byte; the kernel equals its torch
@@ -142,7 +143,25 @@ def small(tmp_path, monkeypatch):
     return lambda name, mix: synthetic.write(name, mix, path=tmp_path / f"{name}-{mix}.gguf", progress=False)
 
 
-@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("kind", blocks.HALVES)
+def test_the_16_bit_kernel_is_its_reference_bit_for_bit_and_batch_invariant(kind, isa):
+    bf16 = kind == "BF16"
+    values = torch.randn(40, 768) * 0.05
+    w16 = (values.view(torch.int32) >> 16).to(torch.int16) if bf16 else values.half().view(torch.int16)
+    gguf = quants.dequantize(w16.numpy().view(np.uint8), GGMLQuantizationType[kind]).reshape(40, 768)
+    assert torch.equal(blocks.half_values(w16, bf16), torch.from_numpy(gguf.astype(np.float32)))
+    bias = torch.randn(40)
+    layer = blocks.HalfLinear({"weight16": w16, "bf16": torch.tensor(bf16), "bias": bias})
+    x = torch.randn(9, 768) * torch.linspace(0.1, 10, 768)
+    ref = blocks.reference_half_linear(x, w16, bf16, bias)
+    for rows in (1, 3, 5, 9):
+        assert torch.equal(layer(x[:rows]), ref[:rows]), rows
+    assert torch.equal(layer(x[4:5]), layer(x)[4:5])
+    plain = x @ blocks.half_values(w16, bf16).T + bias  # another summation order: a sharp check
+    assert not torch.equal(plain, ref) and torch.allclose(plain, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", TYPES + list(blocks.HALVES))
 def test_a_model_in_each_type_runs_in_its_kernel_and_speculates_exactly(kind, small, monkeypatch):
     from specdec.core.engine import generate
     from specdec.models import loading
@@ -152,11 +171,12 @@ def test_a_model_in_each_type_runs_in_its_kernel_and_speculates_exactly(kind, sm
 
     path = _one_type_file(small, kind, monkeypatch)
     model = loading.load(str(path)).model
-    layers = [m for m in model.modules() if isinstance(m, blocks.BlockLinear)]
+    layers = [m for m in model.modules() if isinstance(m, (blocks.BlockLinear, blocks.HalfLinear))]
     assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the output
     file = GGUFFile(path)
     matrices = sum(t.n_bytes for n, t in file.tensors.items() if len(t.shape) == 2 and n != "token_embd.weight")
-    assert sum(m.packed.numel() for m in layers) <= 1.1 * matrices
+    kept = sum(m.packed.numel() if isinstance(m, blocks.BlockLinear) else 2 * m.weight16.numel() for m in layers)
+    assert kept <= 1.1 * matrices
     greedy = SamplingParams(temperature=0.0)
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11]]
     with torch.inference_mode():

@@ -111,8 +111,12 @@ def _data(name: str, dims, kind: str, rng: np.random.Generator) -> np.ndarray:
         if name == "rope_freqs.weight":  # llama3's factors: 1 for high frequencies, up to 8 for low ones
             return np.linspace(1.0, 8.0, dims[0], dtype=np.float32)
         return np.ones(dims, np.float32) if name.endswith("norm.weight") else np.zeros(dims, np.float32)
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     rows, cols = dims
+    if kind in ("F16", "BF16"):  # normal weights' bits (random bytes would hold NaNs)
+        values = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02)
+        bits = values.astype(np.float16).view(np.uint16) if kind == "F16" else (values.view(np.uint32) >> 16).astype(np.uint16)
+        return bits.view(np.uint8).reshape(rows, -1)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     raw = np.frombuffer(rng.bytes(rows * cols // block * size), np.uint8).reshape(rows, cols // block, size).copy()
     offsets, scale = _SCALES[kind]
     for at in offsets:

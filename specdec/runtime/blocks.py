@@ -267,3 +267,50 @@ class BlockLinear(PackedLinear):
         type_id, run = int(state["type"]), kernel().blocks_linear
         super().__init__(state, int(state["in_features"]), lambda x, packed, bias: run(x, packed, bias, type_id))
         self.type_id = type_id
+
+
+# ---- 16-bit floats: F16 and BF16 matrices multiplied as stored (``half_linear`` in the kernel)
+HALVES = ("F16", "BF16")
+LANES = 16
+
+
+def half_values(w16: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """``[N, K]`` int16 bits -> their exact fp32 values (as gguf dequantizes F16 and BF16)."""
+    if bf16:
+        return (w16.int() << 16).view(torch.float32)
+    return w16.view(torch.float16).float()
+
+
+def reference_half_linear(x: torch.Tensor, w16: torch.Tensor, bf16: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's 16-bit float product in plain torch: per row and output, lane j sums the
+    products of inputs j mod 16 in order, then the lanes are summed as a fixed tree."""
+    w = half_values(w16, bf16)  # [N, K]
+    m, k = x.shape
+    prod = x.float().unsqueeze(1) * w.unsqueeze(0)  # [M, N, K], one rounding each
+    steps = prod.view(m, w.shape[0], k // LANES, LANES)
+    lanes = torch.zeros(m, w.shape[0], LANES)
+    for s in range(k // LANES):
+        lanes = lanes + steps[:, :, s]
+    for width in (8, 4, 2, 1):
+        lanes = lanes[..., :width] + lanes[..., width : 2 * width]
+    out = lanes[..., 0]
+    return out if bias is None else out + bias.float()
+
+
+class HalfLinear(torch.nn.Module):
+    """A linear layer over an F16 or BF16 matrix as the file stores it (2 bytes a weight):
+    ``state`` holds ``weight16`` ``[N, K]`` int16 (K a multiple of 16), ``bf16`` and optionally
+    ``bias``."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.weight16, self.bf16 = state["weight16"], bool(state["bf16"])
+        self.out_features, self.in_features = self.weight16.shape
+        bias = state.get("bias")
+        self.bias = bias.float() if bias is not None else torch.empty(0)
+        self._run = kernel().half_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        return self._run(x, self.weight16, self.bias, self.bf16)

@@ -7,9 +7,9 @@ q and k as Q4_K, v as Q6_K). Each part is built from the file's own blocks:
 - Q6_K: the Q6_K kernel over the file's codes and scales (:mod:`specdec.runtime.q6k`);
 - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K: one kernel family over the file's codes and scales
   (:mod:`specdec.runtime.blocks`);
-- F32, F16, BF16: their values in fp32 — every stored weight exactly (``specdec models`` and the
-  load notice say which tensors run so). Any other type is refused at load
-  (:func:`specdec.models.gguf_meta.check`).
+- F16, BF16: multiplied as stored, 2 bytes a weight (:class:`specdec.runtime.blocks.HalfLinear`);
+- F32 (and a 16-bit matrix whose rows are not a multiple of 16 weights): its values in fp32.
+Any other type is refused at load (:func:`specdec.models.gguf_meta.check_kernels`).
 
 Consecutive parts of one kind form one layer; a layer of several kinds runs each and concatenates
 the outputs (each part is batch invariant, so the whole is). The blocks are read from the file in
@@ -26,11 +26,11 @@ import torch
 from specdec.runtime import blocks, native, q4, q6k
 from specdec.runtime.dense import FloatLinear
 
-# storage type -> the kernel that runs it in place (a block type's kind is its name); F32, F16 and
-# BF16 run as fp32 ("float")
-KERNELS = {"Q4_K": "q4k", "Q6_K": "q6k", **{t: t for t in blocks.TYPES}}
-FLOATS = ("F32", "F16", "BF16")
-KINDS = ("q4k", "q6k", *blocks.TYPES, "float")
+# storage type -> the kernel that runs it in place (a block or 16-bit type's kind is its name); F32
+# runs as fp32 ("float")
+KERNELS = {"Q4_K": "q4k", "Q6_K": "q6k", **{t: t for t in (*blocks.TYPES, *blocks.HALVES)}}
+FLOATS = ("F32",)
+KINDS = ("q4k", "q6k", *blocks.TYPES, *blocks.HALVES, "float")
 # a 256-input superblock of one 16-row tile, in each kernel's layout
 TILE_SUPERBLOCK_BYTES = {"q4k": 8 * q4.CODE_BYTES + 8 * 16 * 2 + 4 * q4.TILE, "q6k": q6k.SB_BYTES}
 
@@ -56,6 +56,8 @@ def from_file(file, parts: tuple[tuple[str, int], ...], bias: torch.Tensor | Non
     at = 0
     for name, rows in parts:
         kind = KERNELS.get(file.type_of(name), "float")
+        if kind in blocks.HALVES and file.tensors[file.gguf_name(name)].shape[1] % blocks.LANES:
+            kind = "float"
         if runs and runs[-1][0] == kind:
             runs[-1] = (kind, runs[-1][1], at + rows, runs[-1][3] + [name])
         else:
@@ -64,8 +66,10 @@ def from_file(file, parts: tuple[tuple[str, int], ...], bias: torch.Tensor | Non
     out = []
     for kind, lo, hi, names in runs:
         b = None if bias is None else bias[lo:hi]
-        if kind == "float":  # no kernel for this type yet: its exact values, one tensor at a time
+        if kind == "float":  # F32: its values, one tensor at a time
             out.append((kind, {"weight": torch.cat([file.tensor(n) for n in names]), **({} if b is None else {"bias": b.float()})}))
+        elif kind in blocks.HALVES:
+            out.append((kind, _half_run(file, kind, names, b)))
         else:
             out.append((kind, _packed_run(file, kind, names, b)))
         for n in names:
@@ -91,6 +95,21 @@ def _packed_run(file, kind: str, names: list[str], bias: torch.Tensor | None) ->
         _repack(kind)(src, order, packed, tile)
         tile += -(-r // q4.TILE)
     return _state(kind, packed, total, cols, bias)
+
+
+def _half_run(file, kind: str, names: list[str], bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Consecutive F16 (or BF16) parts as one ``[rows, K]`` int16 matrix: the stored bits, rows
+    in transformers' order (a copy of the file's bytes, whose mapped pages are then dropped)."""
+    pieces = [file.blocks(n) for n in names]  # ([file rows, 2K] uint8, [rows])
+    weight = torch.empty(sum(len(order) for _, order in pieces), pieces[0][0].shape[1] // 2, dtype=torch.int16)
+    at = 0
+    for src, order in pieces:
+        torch.index_select(src.view(torch.int16), 0, order, out=weight[at : at + len(order)])
+        at += len(order)
+    state = {"weight16": weight, "bf16": torch.tensor(kind == "BF16")}
+    if bias is not None:
+        state["bias"] = bias.float()
+    return state
 
 
 def _repack(kind: str):
@@ -148,6 +167,8 @@ def layer(kind: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         return q6k.Q6KLinear(state)
     if kind in blocks.TYPES:
         return blocks.BlockLinear(state)
+    if kind in blocks.HALVES:
+        return blocks.HalfLinear(state)
     return FloatLinear(state["weight"], state.get("bias"), torch.float32)
 
 

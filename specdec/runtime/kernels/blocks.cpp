@@ -32,6 +32,7 @@
 // Compiled with -ffp-contract=off: no multiply-add is fused.
 //
 // blocks_repack writes the layout from the file's own blocks (a byte shuffle, no arithmetic).
+// half_linear multiplies F16 and BF16 matrices as stored (see its section).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -582,6 +583,104 @@ template <int T> struct Linear { static torch::Tensor run(const torch::Tensor& x
 template <int T> struct Repack { static int64_t run(const torch::Tensor& s, const torch::Tensor& r, torch::Tensor& o, int64_t t0) { repack_t<T>(s, r, o, t0); return 0; } };
 template <int T> struct TileBytes { static int64_t run(int64_t G) { return tile_bytes<T>(G); } };
 
+// ---------------------------------------------------------------- 16-bit floats (F16, BF16)
+// w [N, K] as stored (uint16: IEEE half or bfloat16), x [M, K] fp32. Per row and output, 16 lanes:
+// lane j sums w[k] * x[k] over k = j mod 16 in order (one rounding per multiply and per add), then
+// the lanes are summed as a fixed tree (j + 8, then + 4, + 2, + 1). Every instruction set does
+// exactly these operations, whatever the rows beside it.
+constexpr int kLanes = 16, kRowsHalf = 4;
+
+inline float half_value(uint16_t v, bool bf16) {
+  if (!bf16) return _cvtsh_ss(v);
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float lane_tree(float* a) {
+  for (int width = 8; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) a[j] = a[j] + a[j + width];
+  return a[0];
+}
+
+void half_portable(int64_t n0, int64_t n1, int64_t M, int64_t K, const uint16_t* W, const float* X, const float* B,
+                   float* Y, int64_t N, bool bf16) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float lanes[kLanes] = {0.0f};
+      for (int64_t k = 0; k < K; k += kLanes)
+        for (int j = 0; j < kLanes; ++j) lanes[j] = lanes[j] + half_value(W[n * K + k + j], bf16) * X[m * K + k + j];
+      float acc = lane_tree(lanes);
+      if (B) acc = acc + B[n];
+      Y[m * N + n] = acc;
+    }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,f16c")
+inline __m512 half16_512(const uint16_t* w, bool bf16) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  if (!bf16) return _mm512_cvtph_ps(raw);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+void half_avx512(int64_t n0, int64_t n1, int64_t M, int64_t K, const uint16_t* W, const float* X, const float* B,
+                 float* Y, int64_t N, bool bf16) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsHalf) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowsHalf, M - m0));
+      __m512 acc[kRowsHalf];
+      for (int i = 0; i < kRowsHalf; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += kLanes) {
+        _mm_prefetch(reinterpret_cast<const char*>(W + n * K + k) + 1024, _MM_HINT_T0);
+        const __m512 w = half16_512(W + n * K + k, bf16);
+        for (int i = 0; i < rows; ++i) acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(w, _mm512_loadu_ps(X + (m0 + i) * K + k)));
+      }
+      for (int i = 0; i < rows; ++i) {
+        alignas(64) float lanes[kLanes];
+        _mm512_store_ps(lanes, acc[i]);
+        float out = lane_tree(lanes);
+        if (B) out = out + B[n];
+        Y[(m0 + i) * N + n] = out;
+      }
+    }
+}
+#pragma GCC pop_options
+
+inline __m256 half8_256(const uint16_t* w, bool bf16) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  if (!bf16) return _mm256_cvtph_ps(raw);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+void half_avx2(int64_t n0, int64_t n1, int64_t M, int64_t K, const uint16_t* W, const float* X, const float* B,
+               float* Y, int64_t N, bool bf16) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsHalf) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowsHalf, M - m0));
+      __m256 lo[kRowsHalf], hi[kRowsHalf];  // lanes 0-7 and 8-15
+      for (int i = 0; i < kRowsHalf; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += kLanes) {
+        _mm_prefetch(reinterpret_cast<const char*>(W + n * K + k) + 1024, _MM_HINT_T0);
+        const __m256 w0 = half8_256(W + n * K + k, bf16), w1 = half8_256(W + n * K + k + 8, bf16);
+        for (int i = 0; i < rows; ++i) {
+          const float* x = X + (m0 + i) * K + k;
+          lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(w0, _mm256_loadu_ps(x)));
+          hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(w1, _mm256_loadu_ps(x + 8)));
+        }
+      }
+      for (int i = 0; i < rows; ++i) {
+        float lanes[kLanes];
+        _mm256_storeu_ps(lanes, lo[i]);
+        _mm256_storeu_ps(lanes + 8, hi[i]);
+        float out = lane_tree(lanes);
+        if (B) out = out + B[n];
+        Y[(m0 + i) * N + n] = out;
+      }
+    }
+}
+
 }  // namespace
 
 // x [..., K] fp32 contiguous, packed [N/16, tile bytes] uint8 (blocks_repack's layout) -> y [..., N16].
@@ -595,9 +694,39 @@ void blocks_repack(int64_t type, torch::Tensor src, torch::Tensor rows, torch::T
 
 int64_t blocks_tile_bytes(int64_t type, int64_t groups) { return by_type<TileBytes>(type, groups); }
 
+// x [..., K] fp32 contiguous (K a multiple of 16), w [N, K] int16 (F16 or BF16 bits) -> y [..., N].
+torch::Tensor half_linear(torch::Tensor x_in, torch::Tensor w, torch::Tensor bias, bool bf16) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == torch::kFloat && x_in.is_contiguous(), "x must be [..., K] contiguous fp32");
+  auto x = x_in.view({-1, x_in.size(-1)});
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % kLanes == 0, "16-bit float layers need in_features divisible by 16, got ", K);
+  TORCH_CHECK(w.scalar_type() == torch::kShort && w.is_contiguous() && w.dim() == 2 && w.size(1) == K, "w must be [N, K] contiguous int16");
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat), "bias must be [N] fp32");
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  auto y = torch::empty(out_shape, x.options());
+  if (M == 0) return y;
+  const int isa = g_force_isa ? g_force_isa : (has_avx512() ? 3 : has_avx2() ? 1 : 4);
+  TORCH_CHECK((isa != 3 || has_avx512()) && (isa != 1 || has_avx2()), "this CPU cannot run the forced instruction set");
+  const uint16_t* W = reinterpret_cast<const uint16_t*>(w.data_ptr<int16_t>());
+  const float* X = x.data_ptr<float>();
+  const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    if (isa == 3)
+      half_avx512(begin, end, M, K, W, X, B, Y, N, bf16);
+    else if (isa == 1)
+      half_avx2(begin, end, M, K, W, X, B, Y, N, bf16);
+    else
+      half_portable(begin, end, M, K, W, X, B, Y, N, bf16);
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocks_linear", &blocks_linear, "GGUF 32-weight block types (exact) x int8 activations (batch invariant)");
   m.def("blocks_repack", &blocks_repack, "GGUF blocks of one type -> the kernel's tiles (type, src, rows, out, tile0)");
+  m.def("half_linear", &half_linear, "GGUF F16 or BF16 weights as stored x fp32 activations (batch invariant)");
   m.def("blocks_tile_bytes", &blocks_tile_bytes, "bytes of one tile of 16 outputs over `groups` groups of 32");
   m.def("force_isa", [](int isa) { g_force_isa = isa; }, "tests: 0 = best, 1 = AVX2, 3 = AVX-512 VNNI, 4 = portable");
   m.def("set_prefetch", [](int64_t bytes) { g_prefetch = bytes; }, "measurements: software prefetch distance in bytes");

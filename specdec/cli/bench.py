@@ -50,6 +50,16 @@ def add(sub: argparse._SubParsersAction) -> None:
     scale.add_argument("--memory-cap", type=float, default=None, metavar="GB",
                        help="address-space limit of each measured process (default: 90%% of this machine's memory)")
     scale.add_argument("--no-llamacpp", action="store_true", help="measure specdec alone")
+    spec = p.add_argument_group("speculate mode (--speculate): speculation at 1-8B at a controlled acceptance")
+    spec.add_argument("--speculate", default=None, metavar="CASES",
+                      help="comma-separated SHAPE:MIX or GGUF paths (as --scale), each run with --draft: a bench "
+                           "proposer runs the draft but proposes the target's own greedy continuation, each token "
+                           "replaced by a wrong one with probability 1 - a; measures c, v(2..9), plain and "
+                           "speculative speed for k = 1..8 and adaptive k, beside the chain formula and llama.cpp's "
+                           "plain speed (--max-new-tokens, default 128). Writes speculate.jsonl (resumable) and "
+                           "speculate.md to --out")
+    spec.add_argument("--acceptance", default="0.3,0.6,0.7,0.8,0.9", metavar="A,...",
+                      help="per-token acceptances to run (default: %(default)s)")
     p.set_defaults(func=run)
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.scale:
         return run_scale(args)
+    if args.speculate:
+        return run_speculate(args)
 
     from specdec.bench.jobs import ALL_METHODS, QUICK_METHODS, known_method, run_bench
 
@@ -74,6 +86,21 @@ def run(args: argparse.Namespace) -> int:
               head=args.head or "auto", ignore_eos=args.ignore_eos)
     print((out / "report.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots in {out}")
+    return 0
+
+
+def run_speculate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec.bench.controlled import run_speculate as measure
+
+    acceptances = [float(a) for a in args.acceptance.split(",")]
+    if any(not 0.0 <= a < 1.0 for a in acceptances):
+        raise ValueError(f"--acceptance values must be in [0, 1), got {args.acceptance}")
+    out = Path(args.out)
+    measure(out, args.speculate.split(","), args.draft, acceptances, args.max_new_tokens or 128, not args.no_llamacpp)
+    print((out / "speculate.md").read_text())
+    print(f"wrote {out / 'speculate.jsonl'} and {out / 'speculate.md'}")
     return 0
 
 

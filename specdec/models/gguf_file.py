@@ -107,15 +107,23 @@ class GGUFFile:
     the token list are None), ``tensors`` (name -> :class:`TensorInfo`), ``arch``."""
 
     def __init__(self, path: Path | str) -> None:
-        from gguf.constants import GGML_QUANT_SIZES
-
         self.path = Path(path)
         size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             if size < 24 or f.read(4) != MAGIC:
                 raise GGUFFormatError(f"{self.path}: not a GGUF file")
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        h = _Header(memoryview(self._map), self.path)
+            whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # for the header only
+        view = memoryview(whole)
+        try:
+            self._parse(_Header(view, self.path), size)
+        finally:
+            view.release()
+            whole.close()
+        self._maps: dict[str, mmap.mmap] = {}  # tensor name -> its own mapping, made when first read
+
+    def _parse(self, h: _Header, size: int) -> None:
+        from gguf.constants import GGML_QUANT_SIZES
+
         h.at = 4
         version, n_tensors, n_kv = h.take("<I"), h.take("<Q"), h.take("<Q")
         if version not in (2, 3):
@@ -197,9 +205,20 @@ class GGUFFile:
 
     # ---- data -----------------------------------------------------------------------------
     def raw(self, info: TensorInfo) -> np.ndarray:
-        """The tensor's stored bytes as a read-only view of the mapping: ``[rows, row bytes]``
-        for a matrix (any type), else flat."""
-        flat = np.frombuffer(self._map, np.uint8, info.n_bytes, info.offset)
+        """The tensor's stored bytes as a read-only view of its mapping: ``[rows, row bytes]``
+        for a matrix (any type), else flat. Each tensor is mapped on its own, so that a tensor
+        once repacked and forgotten (:meth:`forget`) costs no address space either: a process
+        under ``ulimit -v`` holds the kernels' tiles, not the file beside them."""
+        if info.n_bytes == 0:
+            flat = np.zeros(0, np.uint8)
+        else:
+            m = self._maps.get(info.name)
+            lo = info.offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+            if m is None:
+                with open(self.path, "rb") as f:
+                    m = mmap.mmap(f.fileno(), info.offset + info.n_bytes - lo, offset=lo, access=mmap.ACCESS_READ)
+                self._maps[info.name] = m
+            flat = np.frombuffer(m, np.uint8, info.n_bytes, info.offset - lo)
         return flat.reshape(info.shape[0], -1) if len(info.shape) == 2 else flat
 
     def tensor(self, hf_name: str) -> torch.Tensor:
@@ -265,17 +284,16 @@ class GGUFFile:
         return decode(raw[order[lo:hi]] if order is not None else raw[lo:hi])
 
     def forget(self, hf_name: str) -> None:
-        """Drop the tensor's mapped pages from this process's memory (they stay in the page cache,
-        so the next load reads them from memory): once a matrix is repacked, its file bytes are
-        not read again, and keeping them mapped would count the weights twice."""
-        info = self._info(hf_name)
-        page = mmap.PAGESIZE
-        lo = info.offset // page * page
-        hi = -(-(info.offset + info.n_bytes) // page) * page
-        try:
-            self._map.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(self._map)) - lo)
-        except (AttributeError, OSError, ValueError):  # no madvise here: the pages just stay mapped
-            pass
+        """Drop the tensor's mapped pages and its mapping (the pages stay in the page cache, so
+        the next load reads them from memory): once a matrix is repacked, its file bytes are not
+        read again, and keeping them would count the weights twice. The mapping is unmapped when
+        the last view of it goes."""
+        m = self._maps.pop(self._info(hf_name).name, None)
+        if m is not None:
+            try:
+                m.madvise(mmap.MADV_DONTNEED)
+            except (AttributeError, OSError, ValueError):  # no madvise here: the pages go with the mapping
+                pass
 
 
 class RowEmbedding:

@@ -80,7 +80,10 @@ def check(file, cfg: ModelConfig, dtype: str, context: int) -> None:
 
     need = weight_bytes(file, dtype) + kv_bytes(cfg, min(context, cfg.max_position_embeddings)) + OVERHEAD
     mem, address = available()
-    mapped = file.path.stat().st_size  # the mapping's address space (its pages are dropped as they are repacked)
+    # address space mapped beside the weights: the tensor being repacked, and the embedding table
+    # (its rows are read in place)
+    embed = file.tensors.get("token_embd.weight")
+    mapped = max((t.n_bytes for t in file.tensors.values()), default=0) + (embed.n_bytes if embed else 0)
     for have, needed, what in ((mem, need, "memory available"), (address, need + mapped, "address space left (ulimit -v)")):
         if have is not None and needed > have:
             raise ModelLoadError(

@@ -189,7 +189,7 @@ def test_kernels_are_built_with_the_model_not_at_its_first_call():
     native.build.cache_clear()  # as in a fresh process
     ours(hf_tiny("llama"))
     assert native.build.cache_info().currsize == 2  # attention and elementwise, loaded while building
-    assert native.build_all() == (["attention", "elementwise", "q4", "q6k", "repack", "stack"] if q4.available()
+    assert native.build_all() == (["attention", "elementwise", "q4", "q6k", "blocks", "repack", "stack"] if q4.available()
                                   else ["attention", "elementwise"])
 
 

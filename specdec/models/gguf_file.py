@@ -3,7 +3,8 @@
 llama.cpp runs a GGUF file from its own bytes; so does specdec. :class:`GGUFFile` reads the
 header (metadata and tensor table) in well under a second, skipping the tokenizer's arrays that
 the ``gguf`` package's reader turns into hundreds of thousands of numpy objects (7 s for a
-Qwen2.5 file), and maps the file read-only. Tensors are then views of the mapped bytes:
+Qwen2.5 file), and maps each tensor read-only when it is first read (unmapped once
+forgotten). Tensors are then views of the mapped bytes:
 
 - :meth:`GGUFFile.grid` gives a weight matrix's Q4_K or Q6_K blocks, decoded for the kernels'
   layout (the file's codes and scales exactly, in row chunks);

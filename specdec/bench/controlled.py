@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import resource
 import subprocess
 import sys
 import time
@@ -82,12 +83,7 @@ class ControlledProposer(DraftModelProposer):
     def propose(self, states: list[ControlledRow], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         if k == 0:
             return no_drafts(len(states))
-        feed = [row.unfed for row in states]
-        for row in states:
-            row.unfed = []
-        counts = torch.tensor([len(f) for f in feed])
-        caught_up = int(counts.max()) > 2
-        self._feed(feed, counts)  # the draft's forward over the committed tokens, as a draft model runs it
+        _, caught_up = self._feed_unfed(states)  # the draft's forward over the committed tokens, as it runs it
         tokens = []
         for i in range(k):
             token = torch.tensor([[self._token(row, row.generated + i)] for row in states])  # [B, 1]
@@ -197,7 +193,9 @@ def _measure_specdec(spec: dict) -> dict:
         seconds, _ = _timed(lambda: generate(target, [ids], greedy, n))
         plain.append(seconds)
     v = {m: forward[m] / forward[1] for m in SIZES}
-    return {"c": c, "v": v, "forward_ms": {m: t * 1e3 for m, t in forward.items()}, "plain_seconds": plain, "runs": runs}
+    files = Path(spec["path"]).stat().st_size + loading.source_path(spec["draft"]).stat().st_size
+    return {"c": c, "v": v, "forward_ms": {m: t * 1e3 for m, t in forward.items()}, "plain_seconds": plain, "runs": runs,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "files_gb": files / 1e9}
 
 
 def _measure_llamacpp(spec: dict) -> dict:
@@ -215,8 +213,10 @@ def _measure_llamacpp(spec: dict) -> dict:
     small = peer.open_file(loading.source_path(spec["draft"]), spec["threads"], 4096)
     c = peer.forward_scaling(small, sizes=(1,))[1] / forward[1]
     v = {m: forward[m] / forward[1] for m in SIZES}
+    files = Path(spec["path"]).stat().st_size + loading.source_path(spec["draft"]).stat().st_size
     return {"c": c, "v": v, "forward_ms": {m: t * 1e3 for m, t in forward.items()},
-            "plain_seconds": [statistics.median(seconds)]}
+            "plain_seconds": [statistics.median(seconds)],
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "files_gb": files / 1e9}
 
 
 def report(rows: list[dict]) -> str:
@@ -227,14 +227,16 @@ def report(rows: list[dict]) -> str:
         return ""
     lines = [f"CPU: {rows[0]['cpu']}, {rows[0]['threads']} threads; greedy, {rows[0]['tokens']} tokens "
              f"(prefill included), draft {rows[0]['draft']}", "",
-             "| case | runtime | plain TPOT ms | draft cost c | v(2) / v(3) / v(5) / v(9) |", "|---|---|---|---|---|"]
+             "| case | runtime | plain TPOT ms | draft cost c | v(2) / v(3) / v(5) / v(9) | peak RSS / target + draft files, GB |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['runtime']} | failed: {r['error']} | | |")
+            lines.append(f"| {r['case']} | {r['runtime']} | failed: {r['error']} | | | |")
             continue
         v = {int(m): x for m, x in r["v"].items()}
+        memory = f"{r['peak_rss_gb']:.2f} / {r['files_gb']:.2f}" if "peak_rss_gb" in r else "-"
         lines.append(f"| {r['case']} | {r['runtime']} | {statistics.median(r['plain_seconds']) / r['tokens'] * 1e3:.0f} | "
-                     f"{r['c']:.3f} | {' / '.join(f'{v[m]:.2f}' for m in (2, 3, 5, 9))} |")
+                     f"{r['c']:.3f} | {' / '.join(f'{v[m]:.2f}' for m in (2, 3, 5, 9))} | {memory} |")
     lines += ["", "| case | a | measured a | adaptive k: speed-up | best fixed k: k, speed-up | predicted (best k) | "
               "vs llama.cpp plain (adaptive) | llama.cpp predicted | greedy = plain |", "|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["runtime"] == "specdec" and "runs" in r):

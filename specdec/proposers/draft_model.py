@@ -67,14 +67,7 @@ class DraftModelProposer:
     def propose(self, states: list[DraftRow], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         if k == 0:  # no drafts this step (adaptive k turned speculation off): run nothing
             return no_drafts(len(states))
-        feed = [row.unfed for row in states]
-        for row in states:
-            row.unfed = []
-        counts = torch.tensor([len(f) for f in feed])
-        # More than the usual 1-2 new tokens: this step also caught up on skipped ones, so its
-        # time says little about the cost of a draft token (see AdaptiveK.observe).
-        caught_up = int(counts.max()) > 2
-        logits = self._feed(feed, counts)  # [B, V] (or [B, N] over vocab_ids)
+        logits, caught_up = self._feed_unfed(states)  # [B, V] (or [B, N] over vocab_ids)
         tokens, probs = [], []
         for i in range(k):
             token, q = draft_token(logits, sampling, self.vocab_ids, self.vocab_size, "draft model")
@@ -85,6 +78,16 @@ class DraftModelProposer:
                 logits = self.model(token, self.cache)[:, -1]  # (token ids are full-vocabulary ids)
         self._fed_drafts = k - 1
         return Proposal(torch.cat(tokens, 1), torch.stack(probs, 1) if probs else None, caught_up=caught_up)
+
+    def _feed_unfed(self, states: list[DraftRow]) -> tuple[torch.Tensor, bool]:
+        """Feed each row's queued committed ids in one forward: the next draft's logits, and
+        whether this caught up on more than the usual 1-2 new tokens (then this step's time says
+        little about the cost of a draft token, see AdaptiveK.observe)."""
+        feed = [row.unfed for row in states]
+        for row in states:
+            row.unfed = []
+        counts = torch.tensor([len(f) for f in feed])
+        return self._feed(feed, counts), int(counts.max()) > 2
 
     def _feed(self, feed: list[list[int]], counts: torch.Tensor) -> torch.Tensor:
         width = int(counts.max())

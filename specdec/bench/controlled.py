@@ -161,6 +161,14 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t, value
 
 
+def _memory(spec: dict) -> dict:
+    """This process's peak RSS beside the bytes of the target and draft files it holds."""
+    from specdec.models import loading
+
+    files = Path(spec["path"]).stat().st_size + loading.source_path(spec["draft"]).stat().st_size
+    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "files_gb": files / 1e9}
+
+
 def _measure_specdec(spec: dict) -> dict:
     """Costs, plain decoding and the controlled runs of one target and draft, in this process."""
     from specdec.bench.measure import forward_scaling
@@ -193,9 +201,8 @@ def _measure_specdec(spec: dict) -> dict:
         seconds, _ = _timed(lambda: generate(target, [ids], greedy, n))
         plain.append(seconds)
     v = {m: forward[m] / forward[1] for m in SIZES}
-    files = Path(spec["path"]).stat().st_size + loading.source_path(spec["draft"]).stat().st_size
     return {"c": c, "v": v, "forward_ms": {m: t * 1e3 for m, t in forward.items()}, "plain_seconds": plain, "runs": runs,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "files_gb": files / 1e9}
+            **_memory(spec)}
 
 
 def _measure_llamacpp(spec: dict) -> dict:
@@ -213,10 +220,8 @@ def _measure_llamacpp(spec: dict) -> dict:
     small = peer.open_file(loading.source_path(spec["draft"]), spec["threads"], 4096)
     c = peer.forward_scaling(small, sizes=(1,))[1] / forward[1]
     v = {m: forward[m] / forward[1] for m in SIZES}
-    files = Path(spec["path"]).stat().st_size + loading.source_path(spec["draft"]).stat().st_size
     return {"c": c, "v": v, "forward_ms": {m: t * 1e3 for m, t in forward.items()},
-            "plain_seconds": [statistics.median(seconds)],
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "files_gb": files / 1e9}
+            "plain_seconds": [statistics.median(seconds)], **_memory(spec)}
 
 
 def report(rows: list[dict]) -> str:

@@ -21,12 +21,7 @@ from specdec.verify.sampling import SamplingParams
 from specdec.text.chat import encode_messages
 from specdec.text.session import Session, TextResult
 from specdec.speculation import AUTO, SpeculationConfig, auto_draft
-
-# A draft model computes logits only for this many frequent ids (FR-Spec; heads.frequent_ids):
-# on the 0.5B draft, its output layer shrinks from 151,936 to 65,536 rows (~50 MB fewer bytes per
-# draft token) at the same acceptance on code (docs/CHANGELOG.md, 'Fewer ops per layer'). Exact whatever the size:
-# the other ids get q = 0 and are never drafted.
-DRAFT_VOCAB = 65536
+from specdec.text.vocab import VocabMap
 
 _EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>")
 
@@ -41,7 +36,8 @@ class TextGenerator:
     draft_text: bool = False  # the draft has another tokenizer: it drafts text (proposers.text_draft)
     head_path: Path | None = None  # the draft head to use, loaded on first use (see draft_head)
     _head: DraftHead | None = None
-    _draft_view: tuple | None = None  # (the draft with its pruned output layer, its ids), built on first use
+    vocab_map: VocabMap | None = None  # the draft numbers tokens otherwise than the target (text.vocab)
+    _draft_view: heads.DraftView | None = None  # the draft with its pruned output layer, built on first use
     # Earlier outputs, shared by the suffix proposers of later calls (what other requests wrote).
     suffix_history: SuffixHistory = field(default_factory=SuffixHistory)
 
@@ -55,14 +51,14 @@ class TextGenerator:
             draft = auto_draft(target)
         t = loading.load(target, dtype, context=context)
         d = loading.load(draft, draft_dtype or dtype, role="draft", context=context) if draft else None
-        text = d is not None and not same_tokenizer(t, d)
+        vocab = None if d is None or same_tokenizer(t, d) else draft_vocabulary(t, d)
+        text = vocab is not None and not vocab.usable
         if text:
-            notice(f"{d.name} has another tokenizer than {t.name}: it drafts text, which the target's tokenizer "
-                   "turns into deterministic drafts (exact: one-hot q)")
+            vocab = None
         path = heads.shipped(target) if head == "auto" else head  # matched by the GGUF's sha256, not its name
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"no draft head at {path}")
-        gen = cls(t, d, head_path=Path(path) if path else None, draft_text=text)
+        gen = cls(t, d, head_path=Path(path) if path else None, draft_text=text, vocab_map=vocab)
         tok = t.tokenizer
         ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
         vocab = tok.get_vocab()
@@ -79,17 +75,14 @@ class TextGenerator:
         return self._head
 
     def draft_model(self):
-        """The draft model as proposers use it: ``(model, ids)``, its output layer restricted to
-        :data:`DRAFT_VOCAB` frequent ids (``ids`` None when the vocabulary is no larger)."""
+        """The draft model as proposers use it (a :class:`specdec.models.heads.DraftView`): its
+        output layer restricted to :data:`specdec.models.heads.DRAFT_VOCAB` frequent ids (``ids``
+        None when the vocabulary is no larger), through :attr:`vocab_map` where the draft numbers
+        tokens otherwise; see :func:`specdec.models.heads.pruned_draft`."""
         if self._draft_view is None:
             if self.draft is None:
                 raise ValueError("proposer 'draft' needs a draft model (draft=NAME_OR_PATH)")
-            model, ids = self.draft.model, None
-            if model.vocab_size > DRAFT_VOCAB:
-                ids = heads.frequent_ids(self.head_path, model.vocab_size, DRAFT_VOCAB)
-                model = model.with_output_rows(heads.output_rows(self.draft, ids))
-                loading.release_freed_memory()
-            self._draft_view = (model, ids)
+            self._draft_view = heads.pruned_draft(self.draft, self.head_path, self.vocab_map)
         return self._draft_view
 
     def speculation(self, method: str | None = None, **options) -> SpeculationConfig:
@@ -149,6 +142,20 @@ class TextGenerator:
         return new_engine(self.target.model, tokens, lambda capacity: spec.build(self, capacity), k=spec.k,
                           k_max=spec.k_max, eos_token_ids=set() if ignore_eos else self.eos_token_ids, seed=seed,
                           max_batch=max_batch, prefix_cache=prefix_cache)
+
+
+def draft_vocabulary(target: loading.LoadedModel, draft: loading.LoadedModel) -> VocabMap:
+    """The map between a draft's and a target's vocabularies, said on stderr: the draft drafts
+    the shared tokens (:mod:`specdec.text.vocab`), or, where they share too few, text."""
+    vocab = VocabMap.build(target.tokenizer, draft.tokenizer, target.model.vocab_size, draft.model.vocab_size)
+    if vocab.usable:
+        notice(f"{draft.name}'s vocabulary ({draft.model.vocab_size} ids) differs from {target.name}'s "
+               f"({target.model.vocab_size}): it drafts the {len(vocab.target_ids)} tokens both have, matched by "
+               "string (exact: q is zero outside them)")
+    else:
+        notice(f"{draft.name} has another tokenizer than {target.name} ({vocab.shared:.0%} of its tokens shared): "
+               "it drafts text, which the target's tokenizer turns into deterministic drafts (exact: one-hot q)")
+    return vocab
 
 
 def same_tokenizer(target: loading.LoadedModel, draft: loading.LoadedModel) -> bool:

@@ -43,7 +43,7 @@ class Sources(Protocol):
 
     def draft_head(self): ...  # the target's DraftHead (raises if it has none)
 
-    def draft_model(self): ...  # (the draft Transformer with its pruned output layer, its ids)
+    def draft_model(self): ...  # a heads.DraftView: the draft with its pruned output layer, its ids, its vocab map
 
 # What speculates when the caller names no method: the hybrid (lookup where the text repeats
 # itself, the suffix proposer's copy drafted as chains; else the model side: the draft model if
@@ -80,11 +80,14 @@ def default_draft(target: str, head: bool) -> str | None:
 def auto_draft(target: str, label: str = "--draft auto: ") -> str | None:
     """The draft for ``target`` under ``--draft auto``: the smallest installed or converted model
     that is smaller than the target and has its tokenizer (the same token -> id map and special
-    tokens, :func:`specdec.models.catalog.tokenizer_fingerprint`), or None. Says on stderr in one
-    line (starting with ``label``) which model was chosen and why, or why none was. Whether such a
-    draft pays is adaptive k's to decide each step (it drafts k = 0 where it does not)."""
+    tokens, :func:`specdec.models.catalog.tokenizer_fingerprint`); failing that, the smallest that
+    shares :data:`specdec.text.vocab.MIN_SHARED` of its token strings (a fine-tune with other
+    special tokens and its base family: the draft drafts their intersection); else None. Says on
+    stderr in one line (starting with ``label``) which model was chosen and why, or why none was.
+    Whether such a draft pays is adaptive k's to decide each step (it drafts k = 0 where it does not)."""
     from specdec.cache import notice
     from specdec.models import catalog, loading, registry
+    from specdec.text.vocab import MIN_SHARED
 
     directory = loading.metadata_for(target, install=True)
     spec = registry.resolve(target)
@@ -92,15 +95,19 @@ def auto_draft(target: str, label: str = "--draft auto: ") -> str | None:
     mine, size = catalog.tokenizer_fingerprint(directory), catalog.parameters(directory)
     others = [m for m in catalog.installed() if m.directory.resolve() != directory.resolve()]
     same = sorted((m for m in others if catalog.tokenizer_fingerprint(m.directory) == mine), key=lambda m: m.parameters)
-    smaller = [m for m in same if m.parameters < size]
+    smaller, how = [m for m in same if m.parameters < size], f"with its tokenizer ({mine})"
+    if not smaller:
+        smaller = sorted((m for m in others if m.parameters < size and m not in same
+                          and catalog.shared_fraction(directory, m.directory) >= MIN_SHARED), key=lambda m: m.parameters)
+        how = f"sharing at least {MIN_SHARED:.0%} of its token strings (it drafts those)"
     if not smaller:
         why = (f"{len(same)} with its tokenizer, none smaller" if same
-               else f"none of the {len(others)} other installed models has its tokenizer")
+               else f"none of the {len(others)} other installed models has its tokenizer or nearly all of its tokens")
         notice(f"{label}no draft for {Path(target).name} (tokenizer {mine}, {_count(size)} weights): {why}")
         return None
     pick = smaller[0]
     notice(f"{label}{Path(pick.name).name} ({_count(pick.parameters)} weights) drafts for {Path(target).name} "
-           f"({_count(size)}): the smallest of {len(smaller)} installed models with its tokenizer ({mine})")
+           f"({_count(size)}): the smallest of {len(smaller)} installed models {how}")
     return pick.name
 
 
@@ -133,11 +140,13 @@ def copy_lookup(gen: Sources, ngram: tuple[int, int]) -> SuffixProposer:
 
 def _draft(gen, config, capacity):
     """The draft model: drafting target tokens (with their q) when it shares the target's
-    tokenizer, else drafting text that the target's tokenizer turns into deterministic drafts."""
+    tokenizer or nearly all of its tokens (their intersection, :mod:`specdec.text.vocab`), else
+    drafting text that the target's tokenizer turns into deterministic drafts."""
     if gen.draft_text:
         return TextDraftProposer(gen.draft.model, gen.draft.tokenizer, gen.target.tokenizer, capacity)
-    model, ids = gen.draft_model()
-    return DraftModelProposer(model, capacity, vocab_ids=ids, vocab_size=None if ids is None else gen.draft.model.vocab_size)
+    view = gen.draft_model()
+    return DraftModelProposer(view.model, capacity, vocab_ids=view.ids,
+                              vocab_size=None if view.ids is None else view.vocab_size, vocab_map=view.vocab)
 
 
 def _early_exit(gen, config, capacity):

@@ -1,9 +1,10 @@
 """``--draft auto``: the smallest installed model with the target's tokenizer, said on stderr.
 
 The catalog is the registry's files and ``$SPECDEC_HOME/models`` (the metadata directories of the
-models loaded before, each naming its source); the tests put tiny Hugging Face directories there: a smaller model with the target's tokenizer, a still smaller one whose special tokens
-differ (so its tokenizer is another), and check which is chosen, and that the smallest model
-gets none with the reason given.
+models loaded before, each naming its source); the tests put tiny Hugging Face directories there:
+a smaller model with the target's tokenizer and a still smaller one with another tokenization,
+and check which is chosen, that a target whose special tokens differ gets the first through
+the vocabulary intersection, and that the smallest model gets none with the reason given.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from conftest import fresh_home
 from specdec.cli import main
 from specdec.models import catalog, loading
 from specdec.speculation import auto_draft
-from tiny_models import char_tokenizer, hf_tiny, save_hf_dir
+from tiny_models import char_tokenizer, hf_tiny, merging_char_tokenizer, save_hf_dir
 
 
 def _installed(home, name, hf, tokenizer=None):
@@ -32,9 +33,8 @@ def _installed(home, name, hf, tokenizer=None):
 def home(tmp_path, monkeypatch):
     home = fresh_home(tmp_path, monkeypatch)
     _installed(home, "same-1layer", hf_tiny("qwen2", layers=1, seed=4))
-    other = char_tokenizer()
-    other.eos_token = "?"  # the same token -> id map, another end-of-sequence token: another tokenizer
-    _installed(home, "other-tiny", hf_tiny("qwen2", layers=1, hidden=32, seed=5), other)
+    # another tokenization of the same text (92 of the 97 strings shared): never a draft
+    _installed(home, "other-tiny", hf_tiny("qwen2", layers=1, hidden=32, seed=5), merging_char_tokenizer())
     return home
 
 
@@ -47,6 +47,28 @@ def test_the_smallest_model_with_the_target_tokenizer_is_chosen(home, tmp_path, 
     assert err.count("\n") == 1 and "--draft auto: same-1layer" in err and "the smallest of 1" in err
     fingerprints = {d.name: catalog.tokenizer_fingerprint(d) for d in (home / "models").iterdir() if d.is_dir()}
     assert fingerprints["same-1layer"] == catalog.tokenizer_fingerprint(target) != fingerprints["other-tiny"]
+
+
+def test_a_fine_tune_with_other_special_tokens_gets_the_base_familys_model(home, tmp_path, capsys):
+    """The target's tokenizer has another end-of-sequence token (its fingerprint differs): the
+    smallest model sharing nearly all its strings drafts their intersection, and greedy output
+    through it is plain greedy."""
+    tuned = char_tokenizer()
+    tuned.eos_token = "?"
+    target = tmp_path / "tuned"
+    hf_tiny("qwen2", layers=3).save_pretrained(target)
+    tuned.save_pretrained(target)
+    capsys.readouterr()
+    assert catalog.tokenizer_fingerprint(target) != catalog.tokenizer_fingerprint(home / "models" / "same-1layer")
+    assert auto_draft(str(target)) == str(home / "models" / "same-1layer")
+    assert "sharing at least 99% of its token strings" in capsys.readouterr().err
+    base = ["generate", "--target", str(target), "--prompt", "abcabc", "--max-new-tokens", "16", "--json", "--dtype", "int8"]
+    assert main(base + ["--proposer", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--draft", "auto", "--proposer", "draft"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["token_ids"] == plain["token_ids"]
+    assert "drafts text" not in captured.err  # the ids agree: it drafts target tokens
 
 
 def test_no_draft_when_no_smaller_model_shares_the_tokenizer(home, tmp_path, capsys):

@@ -101,13 +101,15 @@ def test_draft_model_is_pruned_to_frequent_ids_in_one_place(hf_dir, monkeypatch)
     """Every draft proposer the API builds uses the draft with its output layer restricted to
     DRAFT_VOCAB ids (here 40 of 97: no head shipped for this target, so the 40 lowest ids);
     greedy output stays the target's own."""
-    import specdec.api as api
     import torch
 
-    monkeypatch.setattr(api, "DRAFT_VOCAB", 40)
+    from specdec.models import heads
+
+    monkeypatch.setattr(heads, "DRAFT_VOCAB", 40)
     directory, _ = hf_dir
     gen = TextGenerator.load(str(directory), str(directory), dtype="int8")
-    model, ids = gen.draft_model()
+    view = gen.draft_model()
+    model, ids = view.model, view.ids
     assert torch.equal(ids, torch.arange(40))
     cache = model.new_cache(1, 8)
     assert model(torch.tensor([[5, 6, 7]]), cache).shape[-1] == 40

@@ -15,7 +15,8 @@ from specdec.proposers.base import Proposal
 from specdec.proposers.text_draft import TextDraftProposer
 from specdec.verify.sampling import SamplingParams
 from stats import ALPHA, chi_square_pvalue
-from tiny_models import N_SAMPLES, PARAMS, PROMPT, V_SMALL, char_tokenizer, hf_tiny, law_joint, ours, save_hf_dir
+from tiny_models import (N_SAMPLES, PARAMS, PROMPT, V_SMALL, char_tokenizer, hf_tiny, law_joint, merging_char_tokenizer,
+                         ours, save_hf_dir)
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -110,7 +111,7 @@ def test_generate_and_verify_with_a_draft_of_another_tokenizer(tmp_path, monkeyp
     target = save_hf_dir(hf, tmp_path / "target")
     draft = tmp_path / "draft"
     _renumbered(hf, 5).save_pretrained(draft)
-    char_tokenizer(shift=5).save_pretrained(draft)
+    merging_char_tokenizer(shift=5).save_pretrained(draft)
     base = ["generate", "--target", str(target), "--prompt", "abcabcabc", "--max-new-tokens", "16", "--json",
             "--dtype", "int8"]
     assert main(base + ["--proposer", "none"]) == 0

@@ -35,14 +35,15 @@ from specdec.proposers.draft_model import DraftModelProposer, DraftRow
 from specdec.verify.sampling import SamplingMetadata
 
 K_RANGE = tuple(range(1, 9))
+SEEDS = 3  # each (a, k) runs once per seed; the report takes medians
 SIZES = tuple(range(1, 10))
 
 
 @dataclass
 class ControlledRow(DraftRow):
-    """A row's draft state plus its reference continuation and how much of it is committed."""
+    """A row's draft state plus what it proposes at each position and how much is committed."""
 
-    reference: list[int] = field(default_factory=list)
+    schedule: list[int] = field(default_factory=list)  # the token proposed at each generated position
     generated: int = 0
     proposed: int = 0  # drafts of the last proposal
 
@@ -51,7 +52,14 @@ class ControlledProposer(DraftModelProposer):
     """Drafts the reference continuation with per-token acceptance ``acceptance`` while running
     ``model`` (the draft) on the drafted tokens, as a draft model proposer does. ``references``:
     one greedy continuation per prompt, in the order the rows are added. Token ids past the
-    draft's vocabulary reach it modulo its size (only its time matters)."""
+    draft's vocabulary reach it modulo its size (only its time matters).
+
+    Whether the draft at a position is right is drawn once per position, not per proposal:
+    exactly ``round(a * n)`` of a row's ``n`` positions (its reference plus :data:`K_RANGE`'s
+    largest k), in an order shuffled by the seeded generator. The verifier reaches each position
+    at most once before its first rejected draft fixes it, so a step accepts the run of right
+    positions from where it starts, as with a fresh draw per draft; and every k (and adaptive k)
+    meets the same positions right and wrong, so they are compared on the same run of luck."""
 
     def __init__(self, model, capacity: int, references: list[list[int]], acceptance: float, vocab_size: int,
                  seed: int = 0) -> None:
@@ -65,9 +73,19 @@ class ControlledProposer(DraftModelProposer):
     def _ids(self, tokens: list[int]) -> list[int]:
         return [t % self.model.vocab_size for t in tokens]
 
+    def _schedule(self, reference: list[int]) -> list[int]:
+        n = len(reference) + max(K_RANGE)
+        right = [True] * round(self.acceptance * n) + [False] * (n - round(self.acceptance * n))
+        self.rng.shuffle(right)
+        out = []
+        for i, ok in enumerate(right):
+            token = reference[i] if i < len(reference) else 0
+            out.append(token if ok else (token + 1 + self.rng.randrange(self.target_vocab - 1)) % self.target_vocab)
+        return out
+
     def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> list[ControlledRow]:
         super().add([self._ids(p) for p in prompts])
-        return [ControlledRow(reference=self.references.pop(0)) for _ in prompts]
+        return [ControlledRow(schedule=self._schedule(self.references.pop(0))) for _ in prompts]
 
     def feed(self, states: list[ControlledRow], pending: list[list[int]]) -> str:
         for row, new in zip(states, pending):
@@ -75,10 +93,7 @@ class ControlledProposer(DraftModelProposer):
         return super().feed(states, [self._ids(p) for p in pending])
 
     def _token(self, row: ControlledRow, position: int) -> int:
-        right = row.reference[position] if position < len(row.reference) else 0
-        if self.rng.random() < self.acceptance:
-            return right
-        return (right + 1 + self.rng.randrange(self.target_vocab - 1)) % self.target_vocab
+        return row.schedule[min(position, len(row.schedule) - 1)]
 
     def propose(self, states: list[ControlledRow], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
         if k == 0:
@@ -142,10 +157,10 @@ def run_speculate(out: Path, cases: list[str], draft: str, acceptances: list[flo
             spec = {"runtime": runtime, "path": str(path), "draft": draft, "acceptances": acceptances,
                     "tokens": tokens, "threads": torch.get_num_threads()}
             run = subprocess.run([sys.executable, "-m", "specdec.bench.controlled", json.dumps(spec)],
-                                 capture_output=True, text=True)
+                                 stdout=subprocess.PIPE, text=True)  # its progress goes to our stderr
             lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
             result = json.loads(lines[-1]) if lines and not run.returncode else {
-                "error": " | ".join((run.stderr or run.stdout).strip().splitlines()[-3:]) or f"exit {run.returncode}"}
+                "error": f"exit {run.returncode} (its messages are above)"}
             row = {"case": case, "file": str(path), "runtime": runtime, "draft": draft, "cpu": cpu_name(),
                    "threads": torch.get_num_threads(), "tokens": tokens, **result}
             done.append(row)
@@ -170,36 +185,37 @@ def _memory(spec: dict) -> dict:
 
 
 def _measure_specdec(spec: dict) -> dict:
-    """Costs, plain decoding and the controlled runs of one target and draft, in this process."""
+    """Costs, plain decoding and the controlled runs of one target and draft, in this process:
+    every (a, k) once per seed of :data:`SEEDS`. The draft is the view users get
+    (:func:`specdec.models.heads.pruned_draft`: its output layer cut to the frequent ids)."""
     from specdec.bench.measure import forward_scaling
     from specdec.core.engine import generate
-    from specdec.models import loading
+    from specdec.models import heads, loading
     from specdec.verify.sampling import SamplingParams
 
     greedy, n = SamplingParams(temperature=0.0), spec["tokens"]
     target = loading.load(spec["path"]).model
-    draft = loading.load(spec["draft"], role="draft").model
+    draft = heads.pruned_draft(loading.load(spec["draft"], role="draft"), None).model
     ids = prompt(target.vocab_size)
     with torch.inference_mode():
         generate(target, [ids], greedy, 2)
         forward = forward_scaling(target, sizes=SIZES)
         c = forward_scaling(draft, sizes=(1,))[1] / forward[1]
-        plain = []
-        for _ in range(2):
-            seconds, rows = _timed(lambda: generate(target, [ids], greedy, n))
-            plain.append(seconds)
-        reference = rows[0].token_ids
+        plain = [_timed(lambda: generate(target, [ids], greedy, n))[0] for _ in range(2)]
+        reference = generate(target, [ids], greedy, n)[0].token_ids
         runs = []
-        for a in spec["acceptances"]:
-            for k in (K_RANGE if a >= 0.5 else (1,)) + ("auto",):
-                proposer = ControlledProposer(draft, len(ids) + n + 16, [reference], a, target.vocab_size, seed=len(runs))
-                seconds, rows = _timed(lambda: generate(target, [ids], greedy, n, proposer=proposer, k=k))
-                runs.append({"a": a, "k": k, "seconds": seconds, "identical": rows[0].token_ids == reference,
-                             "measured_a": proposer.measured_acceptance(), "drafted": proposer.drafted,
-                             "accepted": proposer.accepted})
-                print(json.dumps({"progress": runs[-1]}), file=sys.stderr, flush=True)
-        seconds, _ = _timed(lambda: generate(target, [ids], greedy, n))
-        plain.append(seconds)
+        for seed in range(SEEDS):
+            for a in spec["acceptances"]:
+                for k in (K_RANGE if a >= 0.5 else (1,)) + ("auto",):
+                    proposer = ControlledProposer(draft, len(ids) + n + 16, [reference], a, target.vocab_size, seed=seed)
+                    seconds, rows = _timed(lambda: generate(target, [ids], greedy, n, proposer=proposer, k=k))
+                    runs.append({"a": a, "k": k, "seed": seed, "seconds": seconds,
+                                 "identical": rows[0].token_ids == reference, "measured_a": proposer.measured_acceptance(),
+                                 "drafted": proposer.drafted, "accepted": proposer.accepted})
+                    print(f"  seed {seed} a={a} k={k}: {seconds:.2f} s (plain {min(plain):.2f} s), measured a "
+                          f"{runs[-1]['measured_a']:.3f}, output {'= plain' if runs[-1]['identical'] else 'DIFFERS'}",
+                          file=sys.stderr, flush=True)
+        plain.append(_timed(lambda: generate(target, [ids], greedy, n))[0])
     v = {m: forward[m] / forward[1] for m in SIZES}
     return {"c": c, "v": v, "forward_ms": {m: t * 1e3 for m, t in forward.items()}, "plain_seconds": plain, "runs": runs,
             **_memory(spec)}
@@ -242,7 +258,8 @@ def report(rows: list[dict]) -> str:
         memory = f"{r['peak_rss_gb']:.2f} / {r['files_gb']:.2f}" if "peak_rss_gb" in r else "-"
         lines.append(f"| {r['case']} | {r['runtime']} | {statistics.median(r['plain_seconds']) / r['tokens'] * 1e3:.0f} | "
                      f"{r['c']:.3f} | {' / '.join(f'{v[m]:.2f}' for m in (2, 3, 5, 9))} | {memory} |")
-    lines += ["", "| case | a | measured a | adaptive k: speed-up | best fixed k: k, speed-up | predicted (best k) | "
+    lines += ["", "Speed-ups over plain decoding, each the median over the seeds.", "",
+              "| case | a | measured a | adaptive k: speed-up | best fixed k: k, speed-up | predicted (best k) | "
               "vs llama.cpp plain (adaptive) | llama.cpp predicted | greedy = plain |", "|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["runtime"] == "specdec" and "runs" in r):
         plain = statistics.median(r["plain_seconds"])
@@ -250,8 +267,10 @@ def report(rows: list[dict]) -> str:
         peer = next((p for p in rows if p["case"] == r["case"] and p["runtime"] == "llama.cpp" and "v" in p), None)
         for a in sorted({run["a"] for run in r["runs"]}):
             runs = [run for run in r["runs"] if run["a"] == a]
-            auto = next(run for run in runs if run["k"] == "auto")
-            fixed = min((run for run in runs if run["k"] != "auto"), key=lambda run: run["seconds"])
+            seconds = {k: statistics.median(run["seconds"] for run in runs if run["k"] == k)
+                       for k in dict.fromkeys(run["k"] for run in runs)}  # median over the seeds
+            auto = {"seconds": seconds["auto"]}
+            fixed = min(({"k": k, "seconds": t} for k, t in seconds.items() if k != "auto"), key=lambda run: run["seconds"])
             best_pred = max(K_RANGE, key=lambda k: predicted_speedup(a, k, r["c"], v))
             measured_a = statistics.median(run["measured_a"] for run in runs)
             vs_peer, peer_pred = "-", "-"

@@ -3,7 +3,8 @@
 A draft model can draft for a target when both map every token string to the same id and share
 their special tokens: :func:`tokenizer_fingerprint` hashes exactly that (the token -> id map with
 added tokens, and each special token with its id), so two models match when their fingerprints
-are equal. Fingerprints are cached per directory content (``$SPECDEC_HOME/fingerprints``): loading
+are equal. A fine-tune with other special tokens shares nearly all of its strings with the base
+family's models instead: :func:`shared_fraction` measures that. Fingerprints are cached per directory content (``$SPECDEC_HOME/fingerprints``): loading
 a 150k-token tokenizer takes ~1 s, reading the cache a millisecond.
 
 The choice of a draft is not made here but in :func:`specdec.speculation.auto_draft`.
@@ -45,6 +46,25 @@ def tokenizer_fingerprint(directory: Path) -> str:
     stored.parent.mkdir(parents=True, exist_ok=True)
     cache.write_atomic(stored, lambda tmp: tmp.write_text(json.dumps({"fingerprint": digest, "directory": str(directory)})))
     return digest
+
+
+def shared_fraction(target: Path, draft: Path) -> float:
+    """The fraction of the target tokenizer's strings that the draft's also has (for drafting
+    through their intersection, :mod:`specdec.text.vocab`), cached per pair of directory contents."""
+    key = loading.content_key(target, "shared-v1") + "-" + loading.content_key(draft, "shared-v1")
+    stored = registry.home() / "fingerprints" / f"shared-{key}.json"
+    try:
+        return float(json.loads(stored.read_text())["shared"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from transformers import AutoTokenizer
+
+    mine, theirs = (AutoTokenizer.from_pretrained(str(d), local_files_only=True).get_vocab() for d in (target, draft))
+    shared = sum(1 for s in mine if s in theirs) / max(1, len(mine))
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_atomic(stored, lambda tmp: tmp.write_text(json.dumps({"shared": shared, "target": str(target),
+                                                                      "draft": str(draft)})))
+    return shared
 
 
 def parameters(directory: Path) -> int:

@@ -15,12 +15,15 @@ import dataclasses
 import json
 from importlib import resources
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from specdec.models.loading import LoadedModel, content_sha256, release_freed_memory
 from specdec.runtime import q4
 from specdec.runtime.head import DraftHead, HeadConfig
+from specdec.runtime.model import Transformer
+from specdec.text.vocab import VocabMap
 
 FORMAT = "specdec-draft-head-v1"
 
@@ -77,6 +80,45 @@ def frequent_ids(head: Path | None, vocab_size: int, size: int) -> torch.Tensor:
         chosen.add(low)
         low += 1
     return torch.tensor(sorted(chosen))
+
+
+# A draft model computes logits only for this many frequent ids (FR-Spec; heads.frequent_ids):
+# on the 0.5B draft, its output layer shrinks from 151,936 to 65,536 rows (~50 MB fewer bytes per
+# draft token) at the same acceptance on code (docs/CHANGELOG.md, 'Fewer ops per layer'). Exact whatever the size:
+# the other ids get q = 0 and are never drafted.
+DRAFT_VOCAB = 65536
+
+
+class DraftView(NamedTuple):
+    """A draft model as its proposer runs it: the model, the target ids its logits are for
+    (None: all of its vocabulary), the target's vocabulary size, and the map to the target's ids
+    where the two vocabularies differ (None: the same ids)."""
+
+    model: Transformer
+    ids: torch.Tensor | None
+    vocab_size: int
+    vocab: VocabMap | None
+
+
+def pruned_draft(draft: LoadedModel, head: Path | None, vocab: VocabMap | None = None) -> DraftView:
+    """``draft``'s model with its output layer cut to :data:`DRAFT_VOCAB` frequent ids
+    (:func:`frequent_ids`, ranked by the target's draft head ``head`` where it has one), and those
+    ids. ``vocab``: the map to a target of another vocabulary (:mod:`specdec.text.vocab`): then
+    the ids are target ids, those of the intersection, and the rows the draft's for them."""
+    model = draft.model
+    if vocab is None:
+        if model.vocab_size <= DRAFT_VOCAB:
+            return DraftView(model, None, model.vocab_size, None)
+        ids = frequent_ids(head, model.vocab_size, DRAFT_VOCAB)
+        rows = ids
+    else:
+        ids = vocab.target_ids
+        if len(ids) > DRAFT_VOCAB:
+            ids = ids[torch.isin(ids, frequent_ids(head, vocab.target_size, DRAFT_VOCAB))]
+        rows = vocab.draft_rows(ids)
+    model = model.with_output_rows(output_rows(draft, rows))
+    release_freed_memory()
+    return DraftView(model, ids, vocab.target_size if vocab else draft.model.vocab_size, vocab)
 
 
 def output_rows(target: LoadedModel, ids: torch.Tensor | None = None) -> torch.Tensor:

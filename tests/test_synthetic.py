@@ -222,3 +222,19 @@ def test_the_scale_benchmark_runs_llama_cpp_beside_and_interleaved(small, tmp_pa
     assert all("error" not in r["later"] for r in rows), rows
     assert len(rows[2]["later"]["tpot_ms"]["llama.cpp"]) == 4
     assert "Interleaved in one process" in (tmp_path / "scale" / "scale.md").read_text()
+
+
+def test_a_file_written_like_a_truncated_header_keeps_its_metadata_and_tensors(small, tmp_path):
+    """write_like: only the start of a file at hand (as the registry's R1-distill part 0000): the
+    copy has the header's every key (tokenizer included) and tensor (name, shape, type)."""
+    from specdec.models.gguf_file import GGUFFile
+
+    whole = small("qwen2-small", "q4_k_m")
+    header = tmp_path / "part_0000"
+    header.write_bytes(whole.read_bytes()[: whole.stat().st_size // 3])  # the header and some tensors
+    copy = synthetic.write_like(header, tmp_path / "like.gguf", progress=False)
+    a, b = GGUFFile(whole), GGUFFile(copy)
+    assert {n: (t.shape, t.type_name) for n, t in a.tensors.items()} == {n: (t.shape, t.type_name) for n, t in b.tensors.items()}
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "qwen2.block_count", "general.name"):
+        assert b.field(key) == a.field(key)
+    assert copy.stat().st_size == whole.stat().st_size

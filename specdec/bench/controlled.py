@@ -3,14 +3,16 @@
 Real-shape files with synthetic weights (:mod:`specdec.models.synthetic`) give every cost of a
 7-8B target exactly, but no draft agrees with random weights. So acceptance is set instead of
 found: :class:`ControlledProposer` runs a real draft model (its time is real: every draft token is
-one forward of it) but proposes the target's own greedy continuation, known from a plain run of
-the same prompt, each token replaced by a wrong one with probability ``1 - a`` (a seeded
-generator). Verification is the real, exact one, so the output equals plain decoding (checked in
-every run) and the measured per-position acceptance comes out at ``a``.
+one forward of it, through the pruned output layer users get) but proposes the target's own
+greedy continuation, known from a plain run of the same prompt, with a fraction ``a`` of the
+positions right and the others replaced by wrong tokens (drawn once per position by a seeded
+generator, the same for every k). Verification is the real, exact one, so the output equals
+plain decoding (checked in every run) and the measured per-position acceptance comes out at ``a``.
 
 For a target and draft, one process measures: the draft's cost ratio ``c`` (one draft forward
 against one target forward), ``v(n)`` (a forward of ``n`` = 2..9 tokens against one), plain
-TPOT, and at each ``a`` the speculative time a token for k = 1..8 fixed and for adaptive k, beside
+TPOT, and at each ``a`` the speculative time for k = 1..8 fixed and for adaptive k (once per seed
+of :data:`SEEDS`; the report takes medians), beside
 the chain formula's prediction ``(1 - a^(k+1)) / ((1 - a)(k c + v(k+1)))``. llama.cpp runs the
 target (and the draft, for its ``c``) in a process of its own: its plain TPOT, its ``v(n)`` and
 what the same formula predicts for it. Rows go to ``speculate.jsonl`` (resumable by case) and
@@ -154,7 +156,8 @@ def run_speculate(out: Path, cases: list[str], draft: str, acceptances: list[flo
             if any(r["case"] == case and r["runtime"] == runtime for r in done):
                 continue
             print(f"{case}: {runtime} with draft {draft} ...", file=sys.stderr, flush=True)
-            spec = {"runtime": runtime, "path": str(path), "draft": draft, "acceptances": acceptances,
+            drafted = str(case_file(draft)) if ":" in draft else draft  # a registry name, a file, or SHAPE:MIX
+            spec = {"runtime": runtime, "path": str(path), "draft": drafted, "acceptances": acceptances,
                     "tokens": tokens, "threads": torch.get_num_threads()}
             run = subprocess.run([sys.executable, "-m", "specdec.bench.controlled", json.dumps(spec)],
                                  stdout=subprocess.PIPE, text=True)  # its progress goes to our stderr

@@ -46,7 +46,7 @@ def case_file(case: str) -> Path:
         return synthetic.write(shape, mix)
     path = Path(case).expanduser()
     if not path.is_file():
-        raise ValueError(f"{case!r} is neither SHAPE:MIX (shapes: {', '.join(synthetic.SHAPES)}; mixes: "
+        raise ValueError(f"{case!r} is neither SHAPE:MIX (shapes: {', '.join(list(synthetic.SHAPES) + list(synthetic.HEADERS))}; mixes: "
                          f"{', '.join(synthetic.MIXES)}) nor a GGUF file")
     return path
 

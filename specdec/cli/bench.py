@@ -52,12 +52,12 @@ def add(sub: argparse._SubParsersAction) -> None:
     scale.add_argument("--no-llamacpp", action="store_true", help="measure specdec alone")
     spec = p.add_argument_group("speculate mode (--speculate): speculation at 1-8B at a controlled acceptance")
     spec.add_argument("--speculate", default=None, metavar="CASES",
-                      help="comma-separated SHAPE:MIX or GGUF paths (as --scale), each run with --draft: a bench "
-                           "proposer runs the draft but proposes the target's own greedy continuation, each token "
-                           "replaced by a wrong one with probability 1 - a; measures c, v(2..9), plain and "
-                           "speculative speed for k = 1..8 and adaptive k, beside the chain formula and llama.cpp's "
-                           "plain speed (--max-new-tokens, default 128). Writes speculate.jsonl (resumable) and "
-                           "speculate.md to --out")
+                      help="comma-separated SHAPE:MIX or GGUF paths (as --scale), each run with --draft (a "
+                           "registry name, a GGUF file or SHAPE:MIX): a bench proposer runs the draft but proposes "
+                           "the target's own greedy continuation, a fraction a of its positions right; measures c, "
+                           "v(2..9), plain and speculative speed for k = 1..8 and adaptive k (3 seeds, medians), "
+                           "beside the chain formula and llama.cpp's plain speed (--max-new-tokens, default 128). "
+                           "Writes speculate.jsonl (resumable) and speculate.md to --out")
     spec.add_argument("--acceptance", default="0.3,0.6,0.7,0.8,0.9", metavar="A,...",
                       help="per-token acceptances to run (default: %(default)s)")
     p.set_defaults(func=run)

@@ -178,3 +178,50 @@ def precision(types: Counter, dtype: str) -> tuple[str, bool]:
 
 def _names(types: Counter) -> str:
     return ", ".join(sorted(types)) or "no weight matrices"
+
+
+def repair_special_tokens(gguf_path: Path, directory: Path) -> int:
+    """Make the saved tokenizer in ``directory`` read the special tokens of the GGUF file at
+    ``gguf_path`` as the file does.
+
+    Transformers' GGUF converter byte-level-encodes control and user-defined tokens whose text is
+    not ASCII (DeepSeek-R1-Distill's ``<｜User｜>``, ``<｜begin▁of▁sentence｜>``): such a token then
+    matches only its mojibake, its literal text (in the chat template) is split into pieces, and
+    named as bos/eos it is added again past the model's vocabulary, where the embedding has no row.
+    Every such token becomes an added token with its literal text at its own id, and the copies
+    past the file's vocabulary go. Tokenizers of ASCII special tokens are left as they are.
+    Returns how many entries were changed."""
+    import json
+
+    import gguf
+
+    fields = gguf.GGUFReader(str(gguf_path)).fields
+    if "tokenizer.ggml.tokens" not in fields or "tokenizer.ggml.token_type" not in fields:
+        return 0
+    tokens, types = fields["tokenizer.ggml.tokens"].contents(), fields["tokenizer.ggml.token_type"].contents()
+    special = {i: t for i, (t, kind) in enumerate(zip(tokens, types)) if int(kind) in (3, 4)}  # control, user-defined
+    path, config_path = directory / "tokenizer.json", directory / "tokenizer_config.json"
+    data, config = json.loads(path.read_text()), json.loads(config_path.read_text())
+    added, decoder = {a["id"]: a for a in data["added_tokens"]}, config.get("added_tokens_decoder", {})
+    vocab = data["model"]["vocab"]  # string -> id: such a token is there under its mojibake
+    by_id = {i: key for key, i in vocab.items() if i in special and not special[i].isascii()}
+    changed = 0
+    for i, text in special.items():
+        if i in by_id and by_id[i] != text:
+            vocab[text] = vocab.pop(by_id[i])
+        if not text.isascii() and added.get(i, {}).get("content") != text:
+            added[i] = {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                        "normalized": False, "special": int(types[i]) == 3}
+            decoder[str(i)] = {k: v for k, v in added[i].items() if k != "id"}
+            changed += 1
+    texts = set(special.values())
+    for i in [i for i, a in added.items() if i >= len(tokens) and a["content"] in texts]:
+        del added[i]
+        decoder.pop(str(i), None)
+        changed += 1
+    if changed:
+        data["added_tokens"] = [added[i] for i in sorted(added)]
+        config["added_tokens_decoder"] = decoder
+        path.write_text(json.dumps(data, ensure_ascii=False))
+        config_path.write_text(json.dumps(config, ensure_ascii=False, indent=2))
+    return changed

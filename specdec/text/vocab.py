@@ -5,9 +5,11 @@ is in both vocabularies, each as the target's id of that string. Its q is then s
 those ids (zero elsewhere), and the verifier's acceptance/residual rule is exact for any q, so the
 committed tokens follow the target's law (tests/test_vocab_intersection.py). The draft reads the
 committed target tokens through the same map; a target token outside the intersection (another
-special token, an id the tokenizer does not define) reaches it as the draft tokenizer's encoding
-of that token's text, or as the draft's token 0 where that text encodes to nothing. Only the
-draft's context depends on that, never the output.
+special token, an id the tokenizer does not define) reaches it as the first token of the draft
+tokenizer's encoding of that token's text, or as the draft's token 0 where that text encodes to
+nothing: one draft token for each target token, so the draft's context is as long as the
+target's (its KV capacity is counted in target tokens). Only the draft's context depends on
+that, never the output.
 
 A fine-tune with other special tokens (DeepSeek-R1-Distill-Qwen-7B: 152,064 ids) and the base
 family's small model (Qwen2.5-0.5B: 151,936) share all but a handful of strings. Tokenizers that
@@ -41,7 +43,7 @@ class VocabMap:
     _table: torch.Tensor = field(repr=False)  # [target_size] the draft id of each target id, -1 outside
     _target_tok: object = field(repr=False)
     _draft_tok: object = field(repr=False)
-    _outside: dict[int, list[int]] = field(default_factory=dict, repr=False)  # memo: re-encoded ids
+    _outside: dict[int, int] = field(default_factory=dict, repr=False)  # memo: the draft id of an outside id
 
     @classmethod
     def build(cls, target_tok, draft_tok, target_size: int, draft_size: int) -> "VocabMap":
@@ -69,24 +71,22 @@ class VocabMap:
         return rows
 
     def to_draft(self, ids: list[int]) -> list[int]:
-        """Committed target ids as the draft reads them: each shared one as its draft id, each
-        other one as the draft's encoding of its text (token 0 where that is empty)."""
+        """Committed target ids as the draft reads them, one for one: each shared one as its
+        draft id, each other one as the first token of the draft's encoding of its text (token 0
+        where that is empty)."""
         out: list[int] = []
         for i in ids:
             d = int(self._table[i]) if 0 <= i < self.target_size else -1
-            if d >= 0:
-                out.append(d)
-            else:
-                out += self._outside_ids(i)
+            out.append(d if d >= 0 else self._outside_id(i))
         return out
 
     def draft_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Drafted target ids ``[B, 1]`` (always shared ones) as the draft's ids."""
         return self._table[tokens]
 
-    def _outside_ids(self, i: int) -> list[int]:
+    def _outside_id(self, i: int) -> int:
         if i not in self._outside:
             text = self._target_tok.decode([i]) if 0 <= i < len(self._target_tok) else ""
-            ids = self._draft_tok.encode(text, add_special_tokens=False) if text else []
-            self._outside[i] = [d for d in ids if d < self.draft_size] or [0]
+            ids = [d for d in (self._draft_tok.encode(text, add_special_tokens=False) if text else []) if d < self.draft_size]
+            self._outside[i] = ids[0] if ids else 0
         return self._outside[i]

@@ -74,11 +74,11 @@ class VocabMap:
         """Committed target ids as the draft reads them, one for one: each shared one as its
         draft id, each other one as the first token of the draft's encoding of its text (token 0
         where that is empty)."""
-        out: list[int] = []
-        for i in ids:
-            d = int(self._table[i]) if 0 <= i < self.target_size else -1
-            out.append(d if d >= 0 else self._outside_id(i))
-        return out
+        ids_t = torch.tensor(ids, dtype=torch.long)  # [n]
+        inside = (ids_t >= 0) & (ids_t < self.target_size)
+        mapped = torch.full_like(ids_t, -1)
+        mapped[inside] = self._table[ids_t[inside]]  # one lookup for all (this runs every step's feed)
+        return [d if d >= 0 else self._outside_id(i) for i, d in zip(ids, mapped.tolist())]
 
     def draft_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Drafted target ids ``[B, 1]`` (always shared ones) as the draft's ids."""

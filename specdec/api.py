@@ -135,13 +135,14 @@ class TextGenerator:
         return Session(engine, self.target.tokenizer).run(requests, stop, on_text)
 
     def engine(self, spec: SpeculationConfig, tokens: int, *, seed: int = 0, max_batch: int | None = None,
-               ignore_eos: bool = False, prefix_cache: PrefixCache | None = None) -> Engine:
+               ignore_eos: bool = False, prefix_cache: PrefixCache | None = None,
+               token_budget: int | None = None) -> Engine:
         """An engine over the target with ``spec``'s proposer, each row holding up to ``tokens``
         (prompt + max_new_tokens), made by :func:`~specdec.core.engine.new_engine` (for the API,
-        bench and server). ``prefix_cache``: KV of earlier prompts and answers to reuse (the target's own)."""
+        bench and server). ``prefix_cache``: KV of earlier prompts and answers to reuse (the target's own); ``token_budget``: positions a step computes (chunked prefill, :class:`Engine`)."""
         return new_engine(self.target.model, tokens, lambda capacity: spec.build(self, capacity), k=spec.k,
                           k_max=spec.k_max, eos_token_ids=set() if ignore_eos else self.eos_token_ids, seed=seed,
-                          max_batch=max_batch, prefix_cache=prefix_cache)
+                          max_batch=max_batch, prefix_cache=prefix_cache, token_budget=token_budget)
 
 
 def draft_vocabulary(target: loading.LoadedModel, draft: loading.LoadedModel) -> VocabMap:

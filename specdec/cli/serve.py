@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from specdec.cli.common import (UsageError, add_model_options, int_at_least, megabytes, port, speculation_of,
                                  with_default_draft)
+from specdec.core.prefill import STEP_TOKENS
 from specdec.core.prefix_cache import PREFIX_CACHE_MB
 from specdec.server.routing import ROUTINGS
 
@@ -34,6 +35,12 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="requests waiting for a batch row; beyond it new requests get 429 (default: %(default)s)")
     p.add_argument("--max-model-len", type=int_at_least(2), default=2048,
                    help="prompt + max_tokens per request; sizes each row's KV cache (default: %(default)s)")
+    p.add_argument("--step-tokens", type=int_at_least(0), default=STEP_TOKENS,
+                   help="positions one engine step computes (chunked prefill): the running rows' decoding "
+                   "block first, then chunks of waiting prompts with the rest, so that a long prompt delays "
+                   "the running rows by one chunk a step instead of its whole prefill, and the first of many "
+                   "waiting requests starts before the others have prefilled; 0: every joining prompt "
+                   "prefills whole in its first step (default: %(default)s)")
     p.add_argument("--prefix-cache-mb", type=megabytes, default=PREFIX_CACHE_MB,
                    help="memory (MiB) for the KV of earlier prompts and answers: a request that starts with "
                    "tokens an earlier one prefilled or generated (a shared system prompt, a conversation's "
@@ -77,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"{flag} has no effect without --replicas")
     config = ServeConfig(speculation=spec, max_batch=args.max_batch, max_queue=args.max_queue,
                          max_model_len=args.max_model_len, seed=args.seed, max_request_bytes=args.max_request_bytes,
-                         prefix_cache_mb=args.prefix_cache_mb)
+                         prefix_cache_mb=args.prefix_cache_mb, step_tokens=args.step_tokens or None)
     if replicated:
         return _run_replicas(args, spec, config)
     spec = with_default_draft(args, spec)

@@ -34,10 +34,10 @@ import torch
 from specdec.core.adaptive import K_MAX, AdaptiveK, CallCosts, ShapeRace, TreeBudget, check_k
 from specdec.core.blocks import Block, ChainBlock, RowKind, block_of, row_kind
 from specdec.core.metrics import GenerationMetrics, Timings
-from specdec.core.prefill import common_prefix, prefill_groups
+from specdec.core.prefill import chunk_groups, common_prefix, prefill_groups
 from specdec.core.prefix_cache import PrefixCache
 from specdec.core.recorder import FeatureRecorder
-from specdec.core.rows import MAX_SEED, Request, RowResult, RowState, commit_tokens
+from specdec.core.rows import MAX_SEED, Filling, Request, RowResult, RowState, commit_tokens
 from specdec.proposers.base import Proposer, no_drafts, tree_shape
 from specdec.runtime import elementwise
 from specdec.runtime.model import Transformer
@@ -45,6 +45,10 @@ from specdec.verify.sampling import SamplingMetadata, SamplingParams, probs_per_
 from specdec.verify.reproducible import PositionUniforms
 from specdec.verify.chain import ChainVerification, verify_chain_unchecked
 
+
+
+# With a token budget, prompt chunks get at least this share of it even when decoding takes it all.
+MIN_CHUNK_SHARE = 0.25
 
 
 class PhaseTimer:
@@ -103,12 +107,18 @@ class Engine:
     proposer source, from measured costs and acceptance). ``seed`` seeds the engine's own streams
     (rejection sampling of requests without a seed, and the proposer's draws). ``verifier`` has
     :func:`~specdec.verify.chain.verify_chain`'s signature; only exactness checks pass another one.
+    ``token_budget``: the positions one step computes (chunked prefill): the batch's decoding block
+    first, then chunks of waiting prompts in arrival order with what is left (at least
+    :data:`MIN_CHUNK_SHARE` of it), so that a long prompt stalls the running rows for one chunk
+    a step, not for its whole prefill; None: every request that joins prefills its whole prompt
+    in its first step.
     """
 
     def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
                  k_max: int = K_MAX, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
                  max_batch: int | None = None, prefix_cache: PrefixCache | None = None,
-                 verifier: Callable[..., ChainVerification] = verify_chain_unchecked) -> None:
+                 verifier: Callable[..., ChainVerification] = verify_chain_unchecked,
+                 token_budget: int | None = None) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
         # What a target call costs by the positions it scores is one fact about the machine, not
         # about the proposer: every controller learns it from every call (one CallCosts).
@@ -124,6 +134,9 @@ class Engine:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {seed}")
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if token_budget is not None and token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        self.token_budget = token_budget
         self.target, self.proposer, self.verifier = target, proposer, verifier
         self.k = k if proposer is not None else 0
         self.k_max, self.capacity, self.max_batch = k_max, capacity, max_batch
@@ -136,6 +149,7 @@ class Engine:
         self.cache = target.new_cache(0, capacity)
         self.rows: list[RowState] = []  # the batch, in cache-row order
         self.waiting: deque[RowState] = deque()
+        self.filling: list[Filling] = []  # prompts being prefilled in chunks (cache rows after self.rows)
         self.last = torch.zeros(0, dtype=torch.long)  # [B] committed tokens whose KV is not yet in the cache
         self.metrics = GenerationMetrics(requests=0)  # all rows together, with the time by phase
         self.timer = PhaseTimer(self.metrics.timings)
@@ -196,37 +210,44 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.rows or self.waiting)
+        return bool(self.rows or self.waiting or self.filling)
 
     # -- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[RowState]:
-        """Rows leave, waiting requests join (prefill), then one decoding step of the batch.
+        """Rows leave, waiting requests join (prefill), then one decoding step of the batch;
+        with a ``token_budget``, the decoding step first, then prompt chunks (:meth:`_fill`).
         Returns the rows that committed tokens or finished in this step."""
         self.timer.step = {}
         self._leave()
-        changed = self._join()
+        if self.token_budget is None:
+            changed = self._join()
+            self._leave()
+            return changed + (self._decode()[0] if self.rows else [])
+        changed, positions = self._decode() if self.rows else ([], 0)
         self._leave()
-        if self.rows:
-            changed += self._decode()
-        return changed
+        budget = max(self.token_budget - positions, int(self.token_budget * MIN_CHUNK_SHARE))
+        return changed + self._fill(budget)
 
     def _leave(self) -> None:
-        """Drop finished rows from the batch, the cache (compacted in place) and the proposer."""
+        """Drop finished rows from the batch, the cache (compacted in place) and the proposer,
+        and cancelled ones from the prompts being filled."""
         keep = [i for i, r in enumerate(self.rows) if not r.done]
-        if len(keep) == len(self.rows):
+        filling = [j for j, f in enumerate(self.filling) if not f.row.done]
+        if len(keep) == len(self.rows) and len(filling) == len(self.filling):
             return
         with self.timer.phase("cache"):
-            if self.prefix is not None:
+            batch, gone = len(self.rows), [r for r in self.rows if r.done]
+            if self.prefix is not None and gone:
                 self._store_finished([i for i, r in enumerate(self.rows) if r.done])
-            gone = [r for r in self.rows if r.done]
             if self._cached_features is not None:  # (now in the prefix cache)
                 for row in gone:
                     self._cached_features.forget(row)
             self.rows = [self.rows[i] for i in keep]
             self.last = self.last[keep]
-            self.cache.retain(keep)
-            if self.proposer is not None:  # (also when none is left: a proposer may keep finished outputs)
+            self.filling = [self.filling[j] for j in filling]
+            self.cache.retain(keep + [batch + j for j in filling])
+            if self.proposer is not None and gone:  # (also when none is left: a proposer may keep finished outputs)
                 self.proposer.retain(keep, [r.draft for r in gone])
 
     def _store_finished(self, index: list[int]) -> None:
@@ -275,6 +296,13 @@ class Engine:
         with self.timer.phase("prefill"):
             joining, logits, hidden, calls = self._prefill(joining)  # [N, 1, V], [N, L, E] or None
         self.metrics.target_calls += calls
+        return self._enter(joining, logits, hidden, [1] * len(joining))
+
+    def _enter(self, joining: list[RowState], logits: torch.Tensor, hidden: torch.Tensor | None,
+               calls: list[int]) -> list[RowState]:
+        """Prefilled rows (in the cache rows right after the batch's) join the batch: each one's
+        first token from ``logits`` ``[N, 1, V]`` at its prompt's last token, its proposer state
+        from its prompt (and features ``hidden`` ``[N, L, E]``), ``calls`` target calls each."""
         sampling = SamplingMetadata([r.request.params for r in joining])
         with self.timer.phase("verification"):
             first = self._verify(joining, logits, ChainBlock(no_drafts(len(joining))), sampling)
@@ -290,8 +318,8 @@ class Engine:
         self.rows += joining
         self.last = torch.cat([self.last, first.tokens[:, 0]])
         now = time.perf_counter()
-        for row, token in zip(joining, first.tokens[:, 0].tolist()):
-            row.result.metrics.target_calls = 1
+        for row, token, n in zip(joining, first.tokens[:, 0].tolist(), calls):
+            row.result.metrics.target_calls = n
             row.result.metrics.timings.ttft = now - row.added_at
             if not row.done:  # (a row that failed in verification commits nothing)
                 self._commit(row, [token])
@@ -361,8 +389,122 @@ class Engine:
             for i in over:
                 reused[i] = 0
 
-    def _decode(self) -> list[RowState]:
-        """propose -> one target call -> verify -> commit / roll back -> observe."""
+    # -- chunked prefill (a token budget per step) ---------------------------------------------
+
+    def _fill(self, budget: int) -> list[RowState]:
+        """Admit waiting requests while the batch has room (cache rows after the batch's), give
+        ``budget`` prompt positions to the prompts being filled in arrival order, and let the
+        rows whose prompt is complete join the batch with their first token."""
+        self._admit()
+        plan = self._plan(budget)
+        if not plan:
+            return []
+        with self.timer.phase("prefill"):
+            logits = self._prefill_chunks(plan)  # [P, 1, V] at each chunk's last token
+        done = 0
+        while done < len(plan) and self.filling[done].left == 0:
+            done += 1
+        if not done:
+            return []
+        joined, self.filling = self.filling[:done], self.filling[done:]
+        with self.timer.phase("prefill"):
+            hidden = self._finish_fill(joined)
+        return self._enter([f.row for f in joined], logits[:done], hidden, [f.calls for f in joined])
+
+    def _admit(self) -> None:
+        """Waiting requests take cache rows (empty, after the batch's) while the batch has room."""
+        taken = len(self.rows) + len(self.filling)
+        room = len(self.waiting) if self.max_batch is None else self.max_batch - taken
+        n = min(room, len(self.waiting))
+        if n > 0:
+            self.cache.append_rows(n)
+            self.filling += [Filling(self.waiting.popleft()) for _ in range(n)]
+
+    def _plan(self, budget: int) -> list[tuple[int, int]]:
+        """This step's chunks ``[(start, end), ...]``, one per prompt being filled, in arrival
+        order, ``budget`` positions in all. A prompt starts (:meth:`_start_fill`) when its turn
+        comes; one that shares more whole blocks with a prompt planned before it in this step
+        than the prefix cache holds waits for the next step, and the prompts after it too: it
+        then takes that prefix from the cache (same-step sharing, as :meth:`_share_prefixes`)."""
+        plan: list[tuple[int, int]] = []
+        for j, f in enumerate(self.filling):
+            if budget <= 0:
+                break
+            if not f.started:
+                if self.prefix is not None and self._shares_uncached(f.prompt, self.filling[:j]):
+                    break
+                self._start_fill(len(self.rows) + j, f)
+            n = min(f.left, budget)
+            plan.append((f.done, f.done + n))
+            budget -= n
+        return plan
+
+    def _shares_uncached(self, prompt: list[int], before: list[Filling]) -> bool:
+        block = self.prefix.block
+        cached = len(self.prefix.match(prompt, self.want_hidden)) * block
+        shared = max((common_prefix(prompt, f.prompt) for f in before), default=0)
+        return min(shared, len(prompt) - 1) // block * block > cached
+
+    def _start_fill(self, index: int, f: Filling) -> None:
+        """Cache row ``index`` takes the cached KV (and features) of ``f``'s prompt's longest
+        cached prefix; its chunks start after it."""
+        f.started = True
+        if self.prefix is None:
+            return
+        chain = self.prefix.match(f.prompt, self.want_hidden)
+        self.prefix.load(self.cache, index, chain)
+        f.done = len(chain) * self.prefix.block
+        self.prefix.record(len(f.prompt), f.done)
+        f.row.result.metrics.cached_prompt_tokens = f.done
+        self.metrics.cached_prompt_tokens += f.done
+        if self.want_hidden and chain:
+            f.hidden.append(PrefixCache.hidden_of(chain))
+
+    def _prefill_chunks(self, plan: list[tuple[int, int]]) -> torch.Tensor:
+        """The planned chunks of the first ``len(plan)`` filling rows, in right-padded target calls
+        over contiguous groups of their cache rows (:func:`chunk_groups`); returns the logits at
+        each chunk's last token ``[P, 1, V]``."""
+        batch, logits = len(self.rows), []
+        starts, lengths = [a for a, _ in plan], [b - a for a, b in plan]
+        for a, b in chunk_groups(starts, lengths, self.context_len):
+            part = self.cache.view(batch + a, batch + b)
+            width = max(lengths[a:b])
+            chunks = [self.filling[j].prompt[s:e] for j, (s, e) in enumerate(plan[a:b], a)]
+            padded = torch.tensor([c + [0] * (width - len(c)) for c in chunks])  # [n, T]
+            n_tokens = torch.tensor(lengths[a:b])
+            out = self.target(padded, part, logit_index=(n_tokens - 1).unsqueeze(1), return_hidden=self.want_hidden)
+            logits.append(out[0] if self.want_hidden else out)  # [n, 1, V]
+            part.truncate(part.lengths - width + n_tokens)
+            self.cache.set_lengths(batch + a, part.lengths)
+            for i, j in enumerate(range(a, b)):
+                f = self.filling[j]
+                f.done, f.calls = f.done + lengths[j], f.calls + 1
+                if self.want_hidden:
+                    f.hidden.append(out[1][i, : lengths[j]])
+        self.metrics.target_calls += len(logits)
+        return torch.cat(logits)
+
+    def _finish_fill(self, joined: list[Filling]) -> torch.Tensor | None:
+        """Complete prompts (the filling rows right after the batch's): each one's KV into the
+        prefix cache and its features to the recorders; returns the features ``[N, L, E]`` of
+        every prompt position (None if not wanted)."""
+        hidden = None
+        if self.want_hidden:
+            rows = [torch.cat(f.hidden) for f in joined]  # [L_i, E]
+            hidden = rows[0].new_zeros(len(rows), max(len(r) for r in rows), rows[0].shape[-1])
+            for i, r in enumerate(rows):
+                hidden[i, : len(r)] = r
+        for i, f in enumerate(joined):
+            features = None if hidden is None else hidden[i, : len(f.prompt)]
+            if self.prefix is not None:
+                self.prefix.insert(f.prompt, self.cache, len(self.rows) + i, features)
+            for recorder in self.recorders:
+                recorder.prefilled(f.row, features)
+        return hidden
+
+    def _decode(self) -> tuple[list[RowState], int]:
+        """propose -> one target call -> verify -> commit / roll back -> observe. Returns the
+        batch's rows and the positions the call computed (rows x block)."""
         sampling = SamplingMetadata([r.request.params for r in self.rows], self.g_draft)  # this step's, once
         # The controllers learn from this decoding step's own times: a step that also joined
         # requests spent "draft" time on their proposer prefill (``add``) and "verification"
@@ -374,14 +516,17 @@ class Engine:
                 self._source = self.proposer.feed(drafts, [r.pending for r in self.rows])
         controller, tree = self._controller(sampling)
         block = self._propose(drafts, controller, tree, sampling)
+        cache = self.cache.view(0, len(self.rows)) if self.filling else self.cache  # (filling rows after them)
         with self.timer.phase("target_forward"):
-            before = self.cache.lengths.clone()
-            logits, hidden = block.score(self.target, self.cache, self.last, self.want_hidden)
+            before = cache.lengths.clone()
+            logits, hidden = block.score(self.target, cache, self.last, self.want_hidden)
         self.metrics.target_calls += 1
         with self.timer.phase("verification"):
             result = self._verify(self.rows, logits, block, sampling)
         with self.timer.phase("cache"):
-            self.last, hidden = block.commit_kv(self.cache, before, result, hidden)
+            self.last, hidden = block.commit_kv(cache, before, result, hidden)
+            if cache is not self.cache:
+                self.cache.set_lengths(0, cache.lengths)
         if self.proposer is not None:
             with self.timer.phase("draft"):
                 self.proposer.observe(drafts, result.num_accepted, target_hidden=hidden)
@@ -393,7 +538,7 @@ class Engine:
                 self.races[self._source].observe(block.trees, int(result.num_accepted.sum()) + len(self.rows),
                                                  t.get("draft", 0.0) + t["target_forward"] + t["verification"] + t.get("cache", 0.0))
         self._record(block, result, hidden)
-        return list(self.rows)
+        return list(self.rows), logits.shape[0] * logits.shape[1]
 
     def _controller(self, sampling: SamplingMetadata) -> tuple[AdaptiveK | TreeBudget | None, bool]:
         """This step's shape (a tree or a chain: :func:`tree_shape`, the source's
@@ -420,7 +565,7 @@ class Engine:
         remaining = max(r.request.max_new_tokens - len(r.token_ids) for r in self.rows)
         # The block writes positions lengths .. lengths + k of every row: no row may pass the
         # context (ragged acceptance can leave a long row near its end while others still draft).
-        room = self.context_len - 1 - int(self.cache.lengths.max())
+        room = self.context_len - 1 - int(self.cache.lengths[:batch].max())
         depth_cap = min(remaining - 1, room)
         k = controller.choose(batch) if controller is not None else self.k
         k = min(k, room) if tree else min(k, depth_cap)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# Positions an engine step computes while serving (chunked prefill; the engine's token_budget):
+# measured on 2 cores, docs/BENCHMARKS.md ("served under load").
+STEP_TOKENS = 256
 PADDING_WASTE = 1.25  # a prefill group computes at most this many slots per prompt token
 
 
@@ -17,6 +20,25 @@ def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:
         while b < len(lengths) and (b + 1 - a) * lengths[a] <= PADDING_WASTE * (tokens + lengths[b]):
             tokens += lengths[b]
             b += 1
+        groups.append((a, b))
+        a = b
+    return groups
+
+
+def chunk_groups(starts: list[int], lengths: list[int], limit: int) -> list[tuple[int, int]]:
+    """Contiguous groups ``[(a, b), ...]`` of prompt chunks (chunked prefill, rows in arrival
+    order: not sorted) for right-padded calls: a group grows while its padded size (rows x its
+    widest chunk) stays within :data:`PADDING_WASTE` times its tokens and every row's padded
+    block, written at its ``starts`` slot, stays within ``limit`` slots."""
+    groups, a = [], 0
+    while a < len(lengths):
+        b, tokens, width = a + 1, lengths[a], lengths[a]
+        while b < len(lengths):
+            wider = max(width, lengths[b])
+            fits = max(starts[a : b + 1]) + wider <= limit
+            if not fits or (b + 1 - a) * wider > PADDING_WASTE * (tokens + lengths[b]):
+                break
+            tokens, width, b = tokens + lengths[b], wider, b + 1
         groups.append((a, b))
         a = b
     return groups

@@ -74,3 +74,23 @@ class RowState:
     def finish_reason(self) -> str | None:
         """None while running, else "length", "eos", "stop", "cancelled" or "error"."""
         return self.result.finish_reason if self.done else None
+
+
+@dataclass(eq=False)
+class Filling:
+    """A request whose prompt is being prefilled in chunks (chunked prefill): its cache row,
+    after the batch's rows in arrival order, holds the KV of its prompt's first ``done`` tokens."""
+
+    row: RowState
+    done: int = 0  # prompt tokens whose KV its cache row holds (cached prefix + chunks)
+    started: bool = False  # its cached prefix is loaded and its first chunk planned
+    calls: int = 0  # target calls its chunks took part in
+    hidden: list = field(default_factory=list)  # [n_i, E] the target's features of its prefix and chunks, in order
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.row.request.prompt
+
+    @property
+    def left(self) -> int:
+        return len(self.row.request.prompt) - self.done

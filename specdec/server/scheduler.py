@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from specdec.api import TextGenerator
 from specdec.core.rows import Request, RowState
+from specdec.core.prefill import STEP_TOKENS
 from specdec.core.prefix_cache import PREFIX_CACHE_MB, PrefixCache
 from specdec.server.metrics import ServerMetrics
 from specdec.text.session import Session, TextRow, TextUpdate
@@ -37,7 +38,8 @@ class ServeConfig:
     ``max_queue``: requests waiting for a row before new ones get 429; ``max_model_len``: prompt
     + max_tokens per request (sizes each row's KV cache); ``max_request_bytes``: the largest
     request body (413 beyond it); ``prefix_cache_mb``: memory for the KV of earlier prompts and
-    answers that later requests start with (:mod:`specdec.core.prefix_cache`; 0: none)."""
+    answers that later requests start with (:mod:`specdec.core.prefix_cache`; 0: none);
+    ``step_tokens``: the engine's ``token_budget`` (chunked prefill; None: whole prompts)."""
 
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig.plain)
     max_batch: int = 16
@@ -46,11 +48,14 @@ class ServeConfig:
     seed: int = 0
     max_request_bytes: int = 4 * 1024 * 1024
     prefix_cache_mb: float = PREFIX_CACHE_MB
+    step_tokens: int | None = STEP_TOKENS
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "max_model_len", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.step_tokens is not None and self.step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1 or None, got {self.step_tokens}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
 
@@ -96,7 +101,7 @@ class Scheduler:
     def _new_session(self) -> Session:
         config = self.config
         engine = self.gen.engine(config.speculation, config.max_model_len, seed=config.seed, max_batch=config.max_batch,
-                                 prefix_cache=self.prefix)
+                                 prefix_cache=self.prefix, token_budget=config.step_tokens)
         return Session(engine, self.gen.target.tokenizer)
 
     @property

@@ -55,6 +55,20 @@ PEERS = ("llamacpp", "llamacpp_draft", "openvino", "vllm", "vllm_ngram")  # llam
 # transformers < 5.20 and torchvision, so it lives in a venv of its own (specdec.bench.vllm_server)
 
 
+CONTEXT = 2304  # tokens per request slot: a long prompt (~1,700 tokens) and its answer
+
+
+def long_prompts(editing: list[str], count: int = 8) -> list[list[dict]]:
+    """``count`` chat prompts over 1,500 tokens each: the bench's editing modules, all of them in
+    a rotated order (so that no two share their start: the prefix cache gives them nothing)."""
+    out = []
+    for r in range(count):
+        modules = editing[r % len(editing):] + editing[: r % len(editing)]
+        body = "\n\n".join(f"Module {i + 1}:\n{m}" for i, m in enumerate(modules))
+        out.append([{"role": "user", "content": f"{body}\n\nSay in one sentence each what these modules do."}])
+    return out
+
+
 def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     """`specdec serve` with ``method`` ("default", "none" or a proposer), or a peer server of
     :data:`PEERS` on the same GGUF files, the same cores and as many parallel slots."""
@@ -66,12 +80,13 @@ def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.P
         from specdec.bench.llamacpp import gguf_file
 
         draft = gguf_file(args.draft) if method == "llamacpp_draft" else None
-        return llama_server.start(gguf_file(args.target), draft, os.cpu_count() or 1, context=1024,
+        return llama_server.start(gguf_file(args.target), draft, os.cpu_count() or 1, context=CONTEXT,
                                   parallel=args.max_batch)
     port = llama_server.free_port()
+    method, _, step = method.partition("@")  # METHOD@N: --step-tokens N (0: whole prompts)
     cmd = [sys.executable, "-m", "specdec", "serve", "--target", args.target, "--dtype", args.dtype, "--port", str(port),
-           *([] if method == "default" else ["--proposer", method]), "--max-batch", str(args.max_batch), "--max-model-len", "1024",
-           "--served-model-name", "bench", *extra]
+           *([] if method == "default" else ["--proposer", method]), "--max-batch", str(args.max_batch),
+           "--max-model-len", str(CONTEXT), "--served-model-name", "bench", *(["--step-tokens", step] if step else []), *extra]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return llama_server.wait_healthy(server, f"http://127.0.0.1:{port}", " ".join(cmd), 600)
 
@@ -131,7 +146,7 @@ def one_request(url: str, messages: list[dict], max_tokens: int) -> dict:
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, usage, text, done = None, None, [], False
+    first, usage, text, done, times = None, None, [], False, []
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=1800) as r:
             r.raise_for_status()
@@ -142,7 +157,8 @@ def one_request(url: str, messages: list[dict], max_tokens: int) -> dict:
                 chunk = json.loads(line[6:])
                 content = "".join(c["delta"].get("content") or "" for c in chunk.get("choices", []))
                 if content:
-                    first = first or time.perf_counter()
+                    times.append(time.perf_counter())
+                    first = first or times[-1]
                     text.append(content)
                 usage = chunk.get("usage") or usage
     except httpx.HTTPError as exc:
@@ -152,7 +168,7 @@ def one_request(url: str, messages: list[dict], max_tokens: int) -> dict:
         return {"error": "the stream ended without its usage and [DONE]"}
     tokens = usage["completion_tokens"]
     return {"ttft_s": (first or end) - start, "latency_s": end - start, "tokens": tokens, "text": "".join(text),
-            "tpot_s": (end - (first or end)) / max(tokens - 1, 1),
+            "tpot_s": (end - (first or end)) / max(tokens - 1, 1), "gaps_s": [b - a for a, b in zip(times, times[1:])],
             "accepted_per_call": (usage.get("speculative") or {}).get("accepted_per_call")}
 
 
@@ -171,7 +187,8 @@ def level_prompts(levels: list[tuple[int, int]], requests_of, count: int) -> dic
     return out
 
 
-def run_level(url: str, prompts: list, indices: list[int], clients: int, requests: int, max_tokens: int) -> dict:
+def run_level(url: str, prompts: list, indices: list[int], clients: int, requests: int, max_tokens: int,
+              long_ids: set[int] = frozenset()) -> dict:
     jobs = [[indices[c * requests + i] for i in range(requests)] for c in range(clients)]
 
     def client(mine):
@@ -193,6 +210,10 @@ def run_level(url: str, prompts: list, indices: list[int], clients: int, request
             "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
             "median_ttft_s": pct("ttft_s", 50), "p99_ttft_s": pct("ttft_s", 99),
             "p50_tpot_s": pct("tpot_s", 50), "p99_tpot_s": pct("tpot_s", 99),
+            # inter-token time: the gaps between a stream's text events, all requests together
+            "p50_itl_s": _percentile([g for r in ok for g in r["gaps_s"]], 50),
+            "p99_itl_s": _percentile([g for r in ok for g in r["gaps_s"]], 99),
+            "long_prompts": sum(i in long_ids for i in indices),
             "median_latency_s": pct("latency_s", 50),
             "median_request_tok_s": _percentile([r["tokens"] / r["latency_s"] for r in ok], 50),
             "median_accepted_per_call": statistics.median(accepted) if accepted else None,
@@ -218,8 +239,8 @@ def report(runs: list[dict], solo: dict[str, dict]) -> str:
     decoding ("none") measured in the same round, and how many greedy answers under load equal the
     same server's answers sent one at a time (``solo``: per server, prompt index -> text)."""
     lines = ["| server | clients | rounds | throughput tok/s | vs specdec plain (same round) | per-round ratios | "
-             "TTFT p50 / p99 s | TPOT p50 / p99 ms | median latency s | accepted/call | errors | "
-             "answers = solo |", "|" + "---|" * 12]
+             "TTFT p50 / p99 s | TPOT p50 / p99 ms | inter-token p50 / p99 ms | median latency s | accepted/call | "
+             "errors | answers = solo |", "|" + "---|" * 13]
     by = {(r.get("round", 0), r["method"], r["clients"]): r for r in runs}
     for method, clients in sorted({(r["method"], r["clients"]) for r in runs}):
         mine = sorted((r for r in runs if (r["method"], r["clients"]) == (method, clients)), key=lambda r: r.get("round", 0))
@@ -232,10 +253,16 @@ def report(runs: list[dict], solo: dict[str, dict]) -> str:
         lines.append(f"| {method} | {clients} | {len(mine)} | {med('throughput_tok_s'):.1f} | "
                      f"{statistics.median(ratios) if ratios else float('nan'):.2f}x | "
                      f"{' '.join(f'{x:.2f}' for x in ratios)} | {med('median_ttft_s'):.2f} / {med('p99_ttft_s'):.2f} | "
-                     f"{1000 * med('p50_tpot_s'):.0f} / {1000 * med('p99_tpot_s'):.0f} | {med('median_latency_s'):.1f} | "
+                     f"{1000 * med('p50_tpot_s'):.0f} / {1000 * med('p99_tpot_s'):.0f} | "
+                     f"{_ms(mine, 'p50_itl_s')} / {_ms(mine, 'p99_itl_s')} | {med('median_latency_s'):.1f} | "
                      f"{statistics.median(accepted) if accepted else float('nan'):.2f} | "
                      f"{sum(r['errors'] for r in mine)} | {same} |")
     return "\n".join(lines)
+
+
+def _ms(runs: list[dict], key: str) -> str:
+    values = [r[key] for r in runs if key in r]
+    return f"{1000 * statistics.median(values):.0f}" if values else "-"
 
 
 def main() -> None:
@@ -252,6 +279,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every level, methods interleaved")
     ap.add_argument("--out", type=Path, default=Path("serve-out"))
+    ap.add_argument("--long-every", type=int, default=0,
+                    help="every N-th prompt is a long one (~1,700 tokens: the editing modules, rotated); 0: none")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "runs.jsonl"
@@ -260,6 +289,13 @@ def main() -> None:
     categories = [cat["prompts"] for cat in load_workloads().values()]
     prompts = [p if isinstance(p, list) else [{"role": "user", "content": p}]  # categories interleaved
                for i in range(max(map(len, categories))) for cat in categories if i < len(cat) for p in [cat[i]]]
+    long_ids: set[int] = set()
+    if args.long_every > 0:
+        longs = long_prompts(load_workloads(include_extra=True)["editing"]["prompts"])
+        for j, p in enumerate(longs):
+            at = min(len(prompts), j * args.long_every + args.long_every - 1)
+            prompts.insert(at, p)
+        long_ids = {i for i, p in enumerate(prompts) if any(p is q for q in longs)}
     methods = args.methods.split(",")
     todo = [(rnd, m, int(c)) for rnd in range(args.rounds) for c in args.clients.split(",")
             for m in (methods if rnd % 2 == 0 else methods[::-1]) if (rnd, m, int(c)) not in done]
@@ -292,7 +328,8 @@ def main() -> None:
             answered[method] |= set(mine)
             record = {"round": rnd, "method": method, "max_tokens": args.max_tokens, "dtype": args.dtype,
                       "prompt_indices": mine,
-                      **run_level(servers[method][1], prompts, mine, clients, requests_of(clients), args.max_tokens)}
+                      **run_level(servers[method][1], prompts, mine, clients, requests_of(clients), args.max_tokens,
+                                  long_ids)}
             with log.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             runs.append(record)

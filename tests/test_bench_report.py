@@ -439,8 +439,19 @@ def test_serve_bench_report_has_tail_latencies_errors_and_answer_independence():
 
     runs = [level("none", 20.0, {"0": "a", "1": "b"}), level("llamacpp_draft", 30.0, {"0": "a", "1": "B"}, errors=1)]
     text = serve_bench.report(runs, {"none": {"0": "a", "1": "b"}, "llamacpp_draft": {"0": "a", "1": "b"}})
-    assert "| llamacpp_draft | 16 | 1 | 30.0 | 1.50x | 1.50 | 1.00 / 3.00 | 50 / 200 | 5.0 | nan | 1 | 1 / 2 |" in text
-    assert "| none | 16 | 1 | 20.0 | 1.00x | 1.00 | 1.00 / 3.00 | 50 / 200 | 5.0 | nan | 0 | 2 / 2 |" in text
+    assert "| llamacpp_draft | 16 | 1 | 30.0 | 1.50x | 1.50 | 1.00 / 3.00 | 50 / 200 | - / - | 5.0 | nan | 1 | 1 / 2 |" in text
+    assert "| none | 16 | 1 | 20.0 | 1.00x | 1.00 | 1.00 / 3.00 | 50 / 200 | - / - | 5.0 | nan | 0 | 2 / 2 |" in text
+    runs[0] |= {"p50_itl_s": 0.04, "p99_itl_s": 0.09}
+    assert "| 50 / 200 | 40 / 90 |" in serve_bench.report(runs, {})
+
+
+def test_serve_bench_long_prompts_are_long_and_share_no_start():
+    serve_bench = _script("serve_bench")
+    from specdec.bench.jobs import load_workloads
+
+    longs = serve_bench.long_prompts(load_workloads(include_extra=True)["editing"]["prompts"])
+    texts = [p[0]["content"] for p in longs]
+    assert len(set(t[:200] for t in texts)) == 8 and all(len(t) > 5000 for t in texts)
 
 
 def test_openvino_peer_server_streams_whole_characters_and_counts_tokens():

@@ -270,3 +270,31 @@ def test_specdec_serve_command_answers_and_shuts_down_gracefully(gen, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("other_user", ["b", "a"], ids=["another-client", "negative-control-same-client"])
+def test_one_clients_flood_does_not_queue_another_client_behind_it(gen, other_user):
+    """Admission is per client (the body's "user"): with one row, client A sends 6 requests at
+    once, then B sends one; B's is admitted third (A's running one, A's next, then B's turn),
+    not seventh as first in, first out would have it, and every answer is the one of the
+    request alone. Negative control: the same request sent as A's waits behind all of A's."""
+    s = Server(gen, ServeConfig(SpeculationConfig.plain(), max_batch=1, max_queue=16, max_model_len=256))
+    try:
+        done: dict[str, float] = {}
+
+        def send(name: str, user: str) -> str:
+            body = {"model": MODEL, "prompt": "abc", "max_tokens": 200, "temperature": 0, "user": user}
+            text = httpx.post(s.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+            done[name] = time.perf_counter()
+            return text
+
+        with ThreadPoolExecutor(7) as pool:
+            floods = [pool.submit(send, f"a{i}", "a") for i in range(6)]
+            time.sleep(0.05)  # (A's requests are in before B's)
+            other = pool.submit(send, "b", other_user)
+            texts = [f.result() for f in floods] + [other.result()]
+        order = sorted(done, key=done.get)
+        assert order.index("b") <= 3 if other_user == "b" else order[-1] == "b", order
+        assert len(set(texts)) == 1  # greedy, the same prompt: the same answer whoever went first
+    finally:
+        s.stop()

@@ -209,6 +209,15 @@ class Engine:
         self.want_hidden = True
 
     @property
+    def room(self) -> int:
+        """Requests that could still join the batch now beyond those waiting (a large number
+        without ``max_batch``): a server hands the engine no more than that, keeping the rest in
+        its own per-client queues (:class:`specdec.server.scheduler.Scheduler`)."""
+        if self.max_batch is None:
+            return 1 << 30
+        return self.max_batch - len(self.rows) - len(self.filling) - len(self.waiting)
+
+    @property
     def busy(self) -> bool:
         return bool(self.rows or self.waiting or self.filling)
 

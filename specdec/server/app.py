@@ -24,7 +24,7 @@ from specdec.server.scheduler import Job, QueueFull, Scheduler, ServeConfig
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields (e.g. "user") are accepted and ignored
+    model_config = ConfigDict(extra="allow")  # unknown fields are accepted and ignored, but "user" names the client (_client)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -283,7 +283,7 @@ class OpenAIServer:
         # Tokenizing is CPU work (seconds for a few MB): a worker thread, so /health and the
         # other requests' streams go on meanwhile.
         prompts = [list(body.prompt)] if texts is None else await asyncio.to_thread(self.tokenize, texts)
-        jobs = self.prepare(body, prompts, 16, "prompt", checked)
+        jobs = self.prepare(body, prompts, 16, "prompt", checked, _client(body, request))
         self.scheduler.submit(jobs)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -311,7 +311,7 @@ class OpenAIServer:
             raise BadRequest(str(exc), "messages") from None
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
-        jobs = self.prepare(body, [prompt], None, "messages", checked)
+        jobs = self.prepare(body, [prompt], None, "messages", checked, _client(body, request))
         self.scheduler.submit(jobs)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -349,9 +349,10 @@ class OpenAIServer:
         return _params(body), _stops(body)
 
     def prepare(self, body: _Body, prompts: list[list[int]], default_max: int | None, param: str,
-                checked: tuple[SamplingParams, list[str]]) -> list[Job]:
+                checked: tuple[SamplingParams, list[str]], client: str = "") -> list[Job]:
         """One job per prompt and choice, each checked against the engine's limits; ``checked``:
-        what :meth:`check_body` made of the body (its sampling parameters and stop strings)."""
+        what :meth:`check_body` made of the body (its sampling parameters and stop strings);
+        ``client``: who sent it (:func:`_client`), whose jobs take their turn together."""
         params, stops = checked
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         jobs = []
@@ -366,7 +367,7 @@ class OpenAIServer:
                     raise BadRequest(str(exc), "max_tokens" if body.max_tokens else param,
                                      "context_length_exceeded") from None
                 jobs.append(Job(p * body.n + c, request, stops, events,
-                                loop, n_choices=body.n))
+                                loop, n_choices=body.n, client=client))
         return jobs
 
     def _max_new_tokens(self, body: _Body, prompt: list[int], default_max: int | None, param: str) -> int:
@@ -438,6 +439,15 @@ class OpenAIServer:
         finally:
             if done < len(jobs):  # the client went away (or the server stops): free the rows
                 self.scheduler.cancel(jobs)
+
+
+def _client(body: _Body, request: HTTPRequest) -> str:
+    """Whom a request is admitted for: the OpenAI body's ``user`` when it has one, else the
+    peer's address (the scheduler takes the clients' requests in turn)."""
+    user = (body.model_extra or {}).get("user")
+    if isinstance(user, str) and user:
+        return "user:" + user
+    return "addr:" + (request.client.host if request.client else "")
 
 
 def _sse(chunk: dict) -> str:

@@ -75,6 +75,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     text: TextRow | None = None  # its row in the session, once the worker has taken it
     n_choices: int = 1  # choices per prompt in its HTTP request
+    client: str = ""  # who sent it (the body's "user", else the peer's address): admission is per client
     first_token_at: float | None = None
     cancelled: bool = False
 
@@ -89,6 +90,8 @@ class Scheduler:
         self._abort: str | None = None  # set by abort_all: the message every job in flight ends with
         self._lock = threading.Lock()
         self._inbox: deque[Job] = deque()
+        self._held: dict[str, deque[Job]] = {}  # per client, in arrival order: jobs the engine has no row for yet
+        self._n_held = 0  # (read by the event loop's queue check; the worker alone changes _held)
         self._cancels: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}  # id(row) -> job
         self._wake = threading.Event()
@@ -129,7 +132,7 @@ class Scheduler:
         return self._stopping or (self._thread is not None and not self._thread.is_alive())
 
     def waiting(self) -> int:
-        return len(self._inbox) + len(self.engine.waiting)
+        return len(self._inbox) + len(self.engine.waiting) + self._n_held
 
     def check(self, request: Request) -> None:
         self.engine.check(request)  # reads configuration only: safe from any thread
@@ -174,7 +177,7 @@ class Scheduler:
                     continue
                 self._publish(updates)
         finally:
-            for job in list(self._jobs.values()) + list(self._inbox):
+            for job in list(self._jobs.values()) + list(self._inbox) + self._take_held():
                 self._emit(job, {"finish_reason": "cancelled", "text": ""})
 
     def _recover(self, exc: Exception) -> None:
@@ -202,7 +205,7 @@ class Scheduler:
             cancels, self._cancels = list(self._cancels), deque()
             abort, self._abort = self._abort, None
         if abort is not None:
-            for job in list(self._jobs.values()) + new:
+            for job in list(self._jobs.values()) + self._take_held() + new:
                 if job.text is not None:
                     self.session.cancel(job.text)
                 self._emit(job, {"error": abort, "finish_reason": "cancelled"})
@@ -210,15 +213,41 @@ class Scheduler:
             self._jobs.clear()
             return
         for job in new:
-            self._start(job)
+            self._held.setdefault(job.client, deque()).append(job)
+            self._n_held += 1
             self.metrics.prompt_tokens.inc(len(job.request.prompt))
         for job in cancels:
             job.cancelled = True
-            if job.text is not None and not job.text.row.done:
+            held = self._held.get(job.client)
+            if job.text is None and held is not None and job in held:
+                held.remove(job)
+                self._n_held -= 1
+                self._emit(job, {"finish_reason": "cancelled", "text": ""})
+                self.metrics.requests.labels("cancelled").inc()
+            elif job.text is not None and not job.text.row.done:
                 self.session.cancel(job.text)
                 self._jobs.pop(id(job.text.row), None)
                 self.metrics.requests.labels("cancelled").inc()
-        self.metrics.queue.set(len(self.engine.waiting))
+        self._release()
+        self.metrics.queue.set(self.waiting())
+
+    def _release(self) -> None:
+        """Hand the engine as many held jobs as it has room for, one client at a time in turn
+        (round robin over the clients with jobs held), so that one client's flood of requests
+        does not queue every other client's behind it."""
+        while self._held and self.engine.room > 0:
+            client = next(iter(self._held))
+            queue = self._held.pop(client)
+            self._start(queue.popleft())
+            self._n_held -= 1
+            if queue:
+                self._held[client] = queue  # (to the back of the turn)
+
+    def _take_held(self) -> list[Job]:
+        jobs = [job for queue in self._held.values() for job in queue]
+        self._held.clear()
+        self._n_held = 0
+        return jobs
 
     def _start(self, job: Job) -> None:
         job.text = self.session.add(job.request, job.stop)
@@ -252,7 +281,7 @@ class Scheduler:
             del self._jobs[id(row)]
             self._finish(job, row, update.text, now)
         m.calls_per_token.set(self._calls_total / max(1, self._tokens))
-        m.queue.set(len(self.engine.waiting))
+        m.queue.set(self.waiting())
         if self.prefix is not None:
             m.observe_prefix(self.prefix)
 

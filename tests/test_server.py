@@ -290,7 +290,9 @@ def test_one_clients_flood_does_not_queue_another_client_behind_it(gen, other_us
 
         with ThreadPoolExecutor(7) as pool:
             floods = [pool.submit(send, f"a{i}", "a") for i in range(6)]
-            time.sleep(0.05)  # (A's requests are in before B's)
+            guard = time.time() + 60  # (A's requests are all in before B's: 1 running, 5 waiting)
+            while httpx.get(s.url + "/health", timeout=10).json()["waiting"] < 5 and time.time() < guard:
+                time.sleep(0.005)
             other = pool.submit(send, "b", other_user)
             texts = [f.result() for f in floods] + [other.result()]
         order = sorted(done, key=done.get)

@@ -26,8 +26,8 @@ def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:
 
 
 def chunk_groups(starts: list[int], lengths: list[int], limit: int) -> list[tuple[int, int]]:
-    """Contiguous groups ``[(a, b), ...]`` of prompt chunks (chunked prefill, rows in arrival
-    order: not sorted) for right-padded calls: a group grows while its padded size (rows x its
+    """Contiguous groups ``[(a, b), ...]`` of prompt chunks (chunked prefill, rows in the
+    engine's order: by what is left, not by chunk width) for right-padded calls: a group grows while its padded size (rows x its
     widest chunk) stays within :data:`PADDING_WASTE` times its tokens and every row's padded
     block, written at its ``starts`` slot, stays within ``limit`` slots."""
     groups, a = [], 0

@@ -79,7 +79,7 @@ class RowState:
 @dataclass(eq=False)
 class Filling:
     """A request whose prompt is being prefilled in chunks (chunked prefill): its cache row,
-    after the batch's rows in arrival order, holds the KV of its prompt's first ``done`` tokens."""
+    after the batch's rows (shortest remaining first), holds the KV of its prompt's first ``done`` tokens."""
 
     row: RowState
     done: int = 0  # prompt tokens whose KV its cache row holds (cached prefix + chunks)

@@ -159,6 +159,20 @@ class KVCache:
         new[start : start + lengths.shape[0]] = lengths
         self.lengths = new
 
+    def reorder(self, start: int, order: list[int]) -> None:
+        """Rows ``start ..`` take rows ``start + order[j]`` in turn (a permutation of the rows
+        from ``start`` on), copying only the written slots of the rows that move."""
+        moved = [(start + j, start + s) for j, s in enumerate(order) if s != j]
+        if not moved:
+            return
+        saved = [(dst, self.read(src, 0, int(self.lengths[src]))) for dst, src in moved]  # (copies)
+        for dst, (k, v) in saved:
+            self._k[:, dst, :, : k.shape[2]] = k
+            self._v[:, dst, :, : v.shape[2]] = v
+        lengths = self.lengths.clone()
+        lengths[start : start + len(order)] = self.lengths[start + torch.tensor(order, dtype=torch.long)]
+        self.lengths = lengths
+
     def retain(self, order: list[int]) -> None:
         """Keep the rows ``order`` (current positions), in that order, compacting in place. When
         ``order`` is increasing (rows that leave, the others keeping their order) each moved row

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import random
-import resource
 import subprocess
 import sys
 import time
@@ -181,10 +180,11 @@ def _timed(fn) -> tuple[float, object]:
 
 def _memory(spec: dict) -> dict:
     """This process's peak RSS beside the bytes of the target and draft files it holds."""
+    from specdec.bench.scale import peak_rss
     from specdec.models import loading
 
     files = Path(spec["path"]).stat().st_size + loading.source_path(spec["draft"]).stat().st_size
-    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "files_gb": files / 1e9}
+    return {"peak_rss_gb": peak_rss() / 1e9, "files_gb": files / 1e9}
 
 
 def _measure_specdec(spec: dict) -> dict:

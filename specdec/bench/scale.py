@@ -127,7 +127,10 @@ def _child(runtime: str, path: Path, draft: str | None, context: int, tokens: in
     return result
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
+    """This process's peak resident bytes (VmHWM: its own address space's high-water mark).
+    Not ``getrusage``'s ru_maxrss: Linux carries that over from the parent a child was forked
+    from, so a bench child of a driver holding 8 GB reported 8 GB whatever it used itself."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
@@ -151,7 +154,7 @@ def _measure_specdec(spec: dict) -> dict:
         generate(target.model, [ids], greedy, 1)
         result["first_token_at"] = time.time()
         if not spec["full"]:
-            return {**result, "peak_rss_gb": _peak_rss() / 1e9}
+            return {**result, "peak_rss_gb": peak_rss() / 1e9}
         kv = memory.kv_bytes(target.model.cfg, spec["context"])
         if spec["draft"]:
             draft = loading.load(spec["draft"], role="draft", context=spec["context"])
@@ -167,7 +170,7 @@ def _measure_specdec(spec: dict) -> dict:
         tpot = (statistics.median(seconds[1 + n]) - statistics.median(seconds[1])) / n
         forward = forward_scaling(target.model, sizes=SIZES)
     return {**result, "tpot_ms": tpot * 1e3, "forward_ms": {k: v * 1e3 for k, v in forward.items()},
-            "peak_rss_gb": _peak_rss() / 1e9, "kv_gb": kv / 1e9}
+            "peak_rss_gb": peak_rss() / 1e9, "kv_gb": kv / 1e9}
 
 
 def _measure_llamacpp(spec: dict) -> dict:
@@ -182,7 +185,7 @@ def _measure_llamacpp(spec: dict) -> dict:
     peer.greedy_seconds(llm, ids, 1)
     result["first_token_at"] = time.time()
     if not spec["full"]:
-        return {**result, "peak_rss_gb": _peak_rss() / 1e9}
+        return {**result, "peak_rss_gb": peak_rss() / 1e9}
     n = spec["tokens"]
     seconds = {1: [], 1 + n: []}
     for _ in range(3):
@@ -191,7 +194,7 @@ def _measure_llamacpp(spec: dict) -> dict:
     tpot = (statistics.median(seconds[1 + n]) - statistics.median(seconds[1])) / n
     forward = peer.forward_scaling(llm, sizes=SIZES)
     return {**result, "tpot_ms": tpot * 1e3, "forward_ms": {k: v * 1e3 for k, v in forward.items()},
-            "peak_rss_gb": _peak_rss() / 1e9}
+            "peak_rss_gb": peak_rss() / 1e9}
 
 
 def _measure_interleaved(spec: dict, rounds: int = 4) -> dict:

@@ -16,8 +16,8 @@ from specdec.core.rows import Request
 from specdec.proposers.suffix import SuffixProposer
 from specdec.runtime import q4
 from specdec.verify.sampling import SamplingParams
-from test_prefix_cache import _head
-from tiny_models import hf_tiny, ours
+from specdec.proposers.head import HeadProposer
+from tiny_models import hf_tiny, ours, tiny_head
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
@@ -83,14 +83,13 @@ def _run(target, prompts, budget, *, proposer=None, k=0, params=GREEDY, prefix=N
 def test_answers_do_not_depend_on_the_token_budget(kind, params):
     """Nine prompts of 3-89 tokens, three of them joining later, at budgets of 1 (one token a
     step), 13, 64 and none; 4 rows at most in the batch: the same answers."""
-    fp32 = ours(hf_tiny("qwen2", seed=0), "float32")
     target = ours(hf_tiny("qwen2", seed=0), "int8")
     prompts = _prompts(9)
 
     def proposer():
         if kind == "none":
             return None
-        return SuffixProposer() if kind == "suffix" else _head(target, fp32, kind)
+        return SuffixProposer() if kind == "suffix" else HeadProposer(tiny_head(target, 97, seed=0), 256)
 
     k = 0 if kind == "none" else 3
     ref, _ = _run(target, prompts, None, proposer=proposer(), k=k, params=params, max_batch=4)
@@ -104,14 +103,13 @@ def test_the_features_of_a_chunked_prompt_are_those_of_one_prefill():
     chunk (and from the prefix cache for a cached prefix), equal one prefill's, bit for bit."""
     from specdec.core.recorder import FeatureRecorder
 
-    fp32 = ours(hf_tiny("qwen2", seed=0), "float32")
     target = ours(hf_tiny("qwen2", seed=0), "int8")
-    prompts = [p for p in _prompts(5, seed=1)]
+    prompts = _prompts(5, seed=1)
     prompts.append(prompts[0][:40] + [1, 2, 3])  # (shares 2 whole blocks with prompts[0]: the prefix cache)
 
     def features(budget):
         recorder = FeatureRecorder()
-        engine = Engine(target, _head(target, fp32, "head"), capacity=kv_capacity(160, 3, 8), k=3,
+        engine = Engine(target, HeadProposer(tiny_head(target, 97, seed=0), 256), capacity=kv_capacity(160, 3, 8), k=3,
                         token_budget=budget, prefix_cache=PrefixCache(2**30))
         engine.attach(recorder)
         rows = [engine.add(Request(p, GREEDY, 6)) for p in prompts]

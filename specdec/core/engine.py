@@ -290,14 +290,10 @@ class Engine:
         part once. Exact: a reused prefix's KV is the bits a prefill computes (batch invariance)."""
         if self.prefix is None or len(joining) < 2:
             return joining, []
-        block = self.prefix.block
         first, then = [], []
         for row in joining:
-            prompt = row.request.prompt
-            cached = len(self.prefix.match(prompt, self.want_hidden)) * block
-            shared = max((common_prefix(prompt, r.request.prompt) for r in first), default=0)
-            usable = min(shared, len(prompt) - 1) // block * block  # (the last token is always prefilled)
-            (then if usable > cached else first).append(row)
+            waits = self._shares_uncached(row.request.prompt, [r.request.prompt for r in first])
+            (then if waits else first).append(row)
         return first, then
 
     def _join_rows(self, joining: list[RowState]) -> list[RowState]:
@@ -456,7 +452,7 @@ class Engine:
             if budget <= 0:
                 break
             if not f.started:
-                if self.prefix is not None and self._shares_uncached(f.prompt, self.filling[:j]):
+                if self.prefix is not None and self._shares_uncached(f.prompt, [g.prompt for g in self.filling[:j]]):
                     break
                 self._start_fill(len(self.rows) + j, f)
             n = min(f.left, budget)
@@ -464,11 +460,13 @@ class Engine:
             budget -= n
         return plan
 
-    def _shares_uncached(self, prompt: list[int], before: list[Filling]) -> bool:
+    def _shares_uncached(self, prompt: list[int], before: list[list[int]]) -> bool:
+        """Whether ``prompt`` shares at least one whole block more with one of the prompts
+        ``before`` it than the prefix cache holds (then it waits for theirs: same-step sharing)."""
         block = self.prefix.block
         cached = len(self.prefix.match(prompt, self.want_hidden)) * block
-        shared = max((common_prefix(prompt, f.prompt) for f in before), default=0)
-        return min(shared, len(prompt) - 1) // block * block > cached
+        shared = max((common_prefix(prompt, p) for p in before), default=0)
+        return min(shared, len(prompt) - 1) // block * block > cached  # (the last token is always prefilled)
 
     def _start_fill(self, index: int, f: Filling) -> None:
         """Cache row ``index`` takes the cached KV (and features) of ``f``'s prompt's longest

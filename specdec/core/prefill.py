@@ -13,16 +13,9 @@ def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:
     right-padded prefill calls: a group grows while its padded size (rows x its first row's
     length) stays within :data:`PADDING_WASTE` times its tokens. Equal lengths make one group;
     a 500-token remainder and fifteen 30-token ones make two calls instead of one call of
-    8,000 slots for 950 tokens."""
-    groups, a = [], 0
-    while a < len(lengths):
-        b, tokens = a + 1, lengths[a]
-        while b < len(lengths) and (b + 1 - a) * lengths[a] <= PADDING_WASTE * (tokens + lengths[b]):
-            tokens += lengths[b]
-            b += 1
-        groups.append((a, b))
-        a = b
-    return groups
+    8,000 slots for 950 tokens. (:func:`chunk_groups` with every row's block at slot 0 and no
+    limit: sorted longest first, a group's widest row is its first.)"""
+    return chunk_groups([0] * len(lengths), lengths, float("inf"))
 
 
 def chunk_groups(starts: list[int], lengths: list[int], limit: int) -> list[tuple[int, int]]:

@@ -28,6 +28,10 @@ constexpr int64_t kTile = 16;     // output channels per tile
 constexpr int64_t kChunk = 320;   // bytes per tile and group: 256 of codes, 32 of scales, 32 of mins
 // Bytes ahead (16 chunks), tunable for measurements; see docs/CHANGELOG.md, 'runtime at llama.cpp's bytes'.
 int64_t g_prefetch = 5120;
+// q4k, bytes ahead in a call of several rows: each chunk then takes longer to compute, and a
+// farther stream keeps the memory busy meanwhile (measured: a Qwen2.5-7B 5-token forward 0.89x of
+// 5120's time, its 1-token forward 1.06x, on Zen 5; docs/CHANGELOG.md, 'prefetch by rows').
+int64_t g_prefetch_rows = 10240;
 int g_force_isa = 0;  // tests: 0 = the best this CPU has, 1 = AVX2, 2 = VNNI (256-bit), 3 = AVX-512
 
 // Per-row, per-group int8 quantization of x [M, K] (fp32, contiguous).
@@ -362,7 +366,7 @@ static inline __m512i dpwssd_bcst(__m512i acc, __m512i w, const int32_t* x) {
 
 template <int R>
 static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, const float* XD,
-                                 const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
+                                 const int16_t* XS, const float* bias, float* Y, int64_t N, int64_t ahead) {
   const int64_t S = (G + kSuper - 1) / kSuper;
   alignas(64) float accb[R * kTile];
   for (int i = 0; i < R * kTile; ++i) accb[i] = 0.0f;
@@ -374,8 +378,8 @@ static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const i
     for (int i = 0; i < R; ++i) isc[i] = _mm512_setzero_si512();
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t* chunk = p + g * 256;
-      if (prefetch)  // the first pass over a tile streams it from memory; later passes read it from L1
-        for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + g_prefetch + line, _MM_HINT_T0);
+      if (ahead)  // the first pass over a tile streams it from memory; later passes read it from L1
+        for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk) + ahead + line, _MM_HINT_T0);
       __m512i wv[8];
       unpack_codes(chunk, wv);
       const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kTile * g)));
@@ -420,10 +424,10 @@ static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const i
 
 template <int R>
 static void q4k_rows_dispatch(int rows, const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, const float* XD,
-                              const int16_t* XS, const float* bias, float* Y, int64_t N, bool prefetch) {
+                              const int16_t* XS, const float* bias, float* Y, int64_t N, int64_t ahead) {
   if constexpr (R > 0) {
-    if (rows == R) return q4k_tile_rows_avx512<R>(p, G, K, XQ, XD, XS, bias, Y, N, prefetch);
-    return q4k_rows_dispatch<R - 1>(rows, p, G, K, XQ, XD, XS, bias, Y, N, prefetch);
+    if (rows == R) return q4k_tile_rows_avx512<R>(p, G, K, XQ, XD, XS, bias, Y, N, ahead);
+    return q4k_rows_dispatch<R - 1>(rows, p, G, K, XQ, XD, XS, bias, Y, N, ahead);
   }
 }
 
@@ -436,12 +440,13 @@ static void q4k_tiles_avx512(int64_t tile_begin, int64_t tile_end, int64_t M, in
                              const uint8_t* P, const int8_t* XQ, const float* XD, const int16_t* XS,
                              const float* B, float* Y) {
   const int64_t K = G * kGroup, S = (G + kSuper - 1) / kSuper, TB = tile_bytes_sb(G);
+  const int64_t ahead = M == 1 ? g_prefetch : g_prefetch_rows;
   for (int64_t tile = tile_begin; tile < tile_end; ++tile)
     for (int64_t m0 = 0, rows = 0; m0 < M; m0 += rows) {
       rows = M - m0 <= kMaxRowsSb ? M - m0 : kRowsSb;
       q4k_rows_dispatch<kMaxRowsSb>(static_cast<int>(rows), P + tile * TB, G, K, XQ + m0 * K, XD + m0 * S,
                                     XS + m0 * S * kSuper, B ? B + tile * kTile : nullptr, Y + m0 * N + tile * kTile, N,
-                                    m0 == 0);
+                                    m0 == 0 ? ahead : 0);
     }
 }
 #pragma GCC pop_options
@@ -653,7 +658,8 @@ torch::Tensor q4_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "4-bit weight x int8 activation linear, q4 or q4k layout (batch invariant)");
   m.def("uses_vnni", []() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"); });
-  m.def("set_prefetch", [](int64_t bytes) { g_prefetch = bytes; }, "measurements: software prefetch distance in bytes");
+  m.def("set_prefetch", [](int64_t bytes, int64_t rows_bytes) { g_prefetch = bytes; g_prefetch_rows = rows_bytes; },
+        "measurements: software prefetch distance in bytes (one-row calls; q4k calls of several rows)");
   m.def("force_isa", [](int isa) { g_force_isa = isa; }, "tests: 0 = auto, 1 = AVX2, 2 = VNNI 256-bit, 3 = AVX-512, 4 = q4k portable loop");
 }
 #endif

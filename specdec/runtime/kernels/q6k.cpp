@@ -31,7 +31,7 @@ namespace {
 
 constexpr int64_t kTile = 16, kGroup = 16, kGroups = 16, kSuper = 256;
 constexpr int64_t kGroupBytes = 192, kCodes = kGroups * kGroupBytes, kSbBytes = kCodes + kGroups * kTile + 2 * kTile;  // 3360
-int64_t g_prefetch = 3360;  // bytes ahead: one superblock
+int64_t g_prefetch = 4 * 3360;  // bytes ahead: four superblocks (measured: docs/CHANGELOG.md, 'Q6_K per-superblock offsets')
 
 // Code c(r) of byte position i (= 4o + t) of a group's packed codes p.
 inline int32_t code(const uint8_t* p, int64_t r, int64_t i) {
@@ -40,8 +40,8 @@ inline int32_t code(const uint8_t* p, int64_t r, int64_t i) {
 }
 int g_force_isa = 0;        // tests: 0 = best, 1 = AVX2, 3 = AVX-512 VNNI, 4 = portable
 
-// xq [M, K], xd [M, S], xs [M, K / 16] (int32 code sums of the groups of 16)
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, int32_t* xs) {
+// xq [M, K], xd [M, S], xs [M, K / 16] (the groups of 16's code sums, |xs| <= 2032: exact in int16)
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, int16_t* xs) {
   const int64_t S = K / kSuper;
   at::parallel_for(0, M * S, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -59,7 +59,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, 
           dst[g * kGroup + j] = static_cast<int8_t>(v);
           sum += dst[g * kGroup + j];
         }
-        xs[i * kGroups + g] = sum;
+        xs[i * kGroups + g] = static_cast<int16_t>(sum);
       }
       xd[i] = dd;
     }
@@ -67,7 +67,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, 
 }
 
 void tiles_portable(int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t N, const uint8_t* P, const int8_t* XQ,
-                    const float* XD, const int32_t* XS, const float* B, float* Y) {
+                    const float* XD, const int16_t* XS, const float* B, float* Y) {
   const int64_t S = K / kSuper;
   for (int64_t tile = t0; tile < t1; ++tile)
     for (int64_t o = 0; o < kTile; ++o)
@@ -98,7 +98,7 @@ constexpr int kRowsAvx2 = 4;
 
 template <int R>
 void tile_avx2(const uint8_t* P, int64_t S, int64_t K, int64_t h, const int8_t* XQ, const float* XD,
-               const int32_t* XS, const float* bias, float* Y, int64_t N) {
+               const int16_t* XS, const float* bias, float* Y, int64_t N) {
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
@@ -143,7 +143,7 @@ void tile_avx2(const uint8_t* P, int64_t S, int64_t K, int64_t h, const int8_t* 
 
 template <int R>
 void dispatch_avx2(int rows, const uint8_t* P, int64_t S, int64_t K, int64_t h, const int8_t* XQ, const float* XD,
-                   const int32_t* XS, const float* bias, float* Y, int64_t N) {
+                   const int16_t* XS, const float* bias, float* Y, int64_t N) {
   if constexpr (R > 0) {
     if (rows == R) return tile_avx2<R>(P, S, K, h, XQ, XD, XS, bias, Y, N);
     return dispatch_avx2<R - 1>(rows, P, S, K, h, XQ, XD, XS, bias, Y, N);
@@ -151,7 +151,7 @@ void dispatch_avx2(int rows, const uint8_t* P, int64_t S, int64_t K, int64_t h, 
 }
 
 void tiles_avx2(int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t N, const uint8_t* P, const int8_t* XQ,
-                const float* XD, const int32_t* XS, const float* B, float* Y) {
+                const float* XD, const int16_t* XS, const float* B, float* Y) {
   const int64_t S = K / kSuper;
   for (int64_t tile = t0; tile < t1; ++tile)
     for (int64_t h = 0; h < 2; ++h)
@@ -164,43 +164,90 @@ void tiles_avx2(int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t N, const u
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
-// AVX-512 VNNI: a whole tile per register; per group and row 4 vpdpbusd (exact int32).
+// AVX-512 VNNI: a whole tile per register. Per group and row: 4 vpdpbusd reading the row's
+// activation bytes by embedded broadcast (inline asm: compilers emit a separate broadcast), an
+// add, the multiply by the group's scales and an add. The offset's part, -32 * sum_g sc[g] * xs[g],
+// is taken once per superblock and row instead of once per group: 8 vpdpwssd over the scales in
+// group pairs (built once per tile and superblock, shared by the rows) with the row's pairs of
+// int16 code sums by embedded broadcast. The same integers as the reference (integer sums in
+// another order, |.| < 2^31 throughout), so the same results; a multi-row call is bound by these
+// per-row instructions (measured: docs/CHANGELOG.md, 'Q6_K per-superblock offsets').
 constexpr int kRows512 = 8;
 
+static inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+static inline __m512i dpwssd_bcst(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+// A tile superblock's scales sc [16 groups][16 outputs] (int8) as 8 registers of int16 pairs:
+// pairs[q] lane o = (sc[2q][o], sc[2q + 1][o]), the operand of vpdpwssd against (xs[2q], xs[2q + 1]).
+static inline void scale_pairs(const int8_t* sc, __m512i pairs[8]) {
+  for (int q = 0; q < 8; ++q) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 * q));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 * q + 16));
+    pairs[q] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+  }
+}
+
+// The 16 outputs' unpacked 6-bit codes of a group: w[r] = inputs 4r..4r+3 (u8, one lane an output).
+static inline void unpack_group(const uint8_t* codes, __m512i w[4]) {
+  const __m512i lo0 = _mm512_loadu_si512(codes), lo1 = _mm512_loadu_si512(codes + 64), hi = _mm512_loadu_si512(codes + 128);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+  const auto top = [&](int shift) { return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, shift), m2), 4); };
+  w[0] = _mm512_or_si512(_mm512_and_si512(lo0, m4), top(0));
+  w[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo0, 4), m4), top(2));
+  w[2] = _mm512_or_si512(_mm512_and_si512(lo1, m4), top(4));
+  w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo1, 4), m4), top(6));
+}
+
 template <int R>
-void tile_avx512(const uint8_t* P, int64_t S, int64_t K, const int8_t* XQ, const float* XD, const int32_t* XS,
+void tile_avx512(const uint8_t* P, int64_t S, int64_t K, const int8_t* XQ, const float* XD, const int16_t* XS,
                  const float* bias, float* Y, int64_t N) {
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     const uint8_t* p = P + s * kSbBytes;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + kCodes);
     __m512i isc[R];
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) isc[i] = _mm512_setzero_si512();
     for (int64_t g = 0; g < kGroups; ++g) {
       const uint8_t* codes = p + g * kGroupBytes;
       for (int64_t line = 0; line < kGroupBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(codes) + g_prefetch + line, _MM_HINT_T0);
-      const __m512i lo0 = _mm512_loadu_si512(codes), lo1 = _mm512_loadu_si512(codes + 64), hi = _mm512_loadu_si512(codes + 128);
-      const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
-      const auto top = [&](int shift) { return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, shift), m2), 4); };
-      const __m512i w0 = _mm512_or_si512(_mm512_and_si512(lo0, m4), top(0));
-      const __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo0, 4), m4), top(2));
-      const __m512i w2 = _mm512_or_si512(_mm512_and_si512(lo1, m4), top(4));
-      const __m512i w3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo1, 4), m4), top(6));
-      const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kCodes + g * kTile)));
-      for (int i = 0; i < R; ++i) {
+      __m512i w[4];
+      unpack_group(codes, w);
+      const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * kTile)));
+  #pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
         const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + s * kSuper + g * kGroup);
-        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32(x4[0]));
-        __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, _mm512_set1_epi32(x4[1]));
-        a = _mm512_dpbusd_epi32(a, w2, _mm512_set1_epi32(x4[2]));
-        b = _mm512_dpbusd_epi32(b, w3, _mm512_set1_epi32(x4[3]));
-        const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(a, b), _mm512_set1_epi32(32 * XS[(i * S + s) * kGroups + g]));
-        isc[i] = _mm512_add_epi32(isc[i], _mm512_mullo_epi32(t, scv));
+        __m512i a = dpbusd_bcst(_mm512_setzero_si512(), w[0], x4 + 0);
+        a = dpbusd_bcst(a, w[1], x4 + 1);
+        a = dpbusd_bcst(a, w[2], x4 + 2);
+        a = dpbusd_bcst(a, w[3], x4 + 3);
+        isc[i] = _mm512_add_epi32(isc[i], _mm512_mullo_epi32(a, scv));
       }
     }
+    __m512i pairs[8];
+    scale_pairs(sc, pairs);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kCodes + kGroups * kTile)));
-    for (int i = 0; i < R; ++i)
-      acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_set1_ps(XD[i * S + s]), _mm512_mul_ps(dv, _mm512_cvtepi32_ps(isc[i]))));
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const int32_t* xs2 = reinterpret_cast<const int32_t*>(XS + (i * S + s) * kGroups);  // (xs[2q], xs[2q + 1])
+      __m512i j0 = dpwssd_bcst(_mm512_setzero_si512(), pairs[0], xs2 + 0);
+      __m512i j1 = dpwssd_bcst(_mm512_setzero_si512(), pairs[1], xs2 + 1);
+      for (int q = 2; q < 8; q += 2) {
+        j0 = dpwssd_bcst(j0, pairs[q], xs2 + q);
+        j1 = dpwssd_bcst(j1, pairs[q + 1], xs2 + q + 1);
+      }
+      const __m512i t = _mm512_sub_epi32(isc[i], _mm512_slli_epi32(_mm512_add_epi32(j0, j1), 5));
+      acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_set1_ps(XD[i * S + s]), _mm512_mul_ps(dv, _mm512_cvtepi32_ps(t))));
+    }
   }
   for (int i = 0; i < R; ++i) {
     __m512 out = acc[i];
@@ -211,7 +258,7 @@ void tile_avx512(const uint8_t* P, int64_t S, int64_t K, const int8_t* XQ, const
 
 template <int R>
 void dispatch_avx512(int rows, const uint8_t* P, int64_t S, int64_t K, const int8_t* XQ, const float* XD,
-                     const int32_t* XS, const float* bias, float* Y, int64_t N) {
+                     const int16_t* XS, const float* bias, float* Y, int64_t N) {
   if constexpr (R > 0) {
     if (rows == R) return tile_avx512<R>(P, S, K, XQ, XD, XS, bias, Y, N);
     return dispatch_avx512<R - 1>(rows, P, S, K, XQ, XD, XS, bias, Y, N);
@@ -219,7 +266,7 @@ void dispatch_avx512(int rows, const uint8_t* P, int64_t S, int64_t K, const int
 }
 
 void tiles_avx512(int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t N, const uint8_t* P, const int8_t* XQ,
-                  const float* XD, const int32_t* XS, const float* B, float* Y) {
+                  const float* XD, const int16_t* XS, const float* B, float* Y) {
   const int64_t S = K / kSuper;
   for (int64_t tile = t0; tile < t1; ++tile)
     for (int64_t m0 = 0; m0 < M; m0 += kRows512) {
@@ -247,8 +294,8 @@ torch::Tensor q6k_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor
   if (M == 0) return y;
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
   auto xd = torch::empty({M, S}, x.options());
-  auto xs = torch::empty({M, K / kGroup}, x.options().dtype(torch::kInt));
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>());
+  auto xs = torch::empty({M, K / kGroup}, x.options().dtype(torch::kShort));
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int16_t>());
   static const bool has_avx512 = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                                  __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                                  __builtin_cpu_supports("avx512dq");
@@ -258,7 +305,7 @@ torch::Tensor q6k_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor
   const uint8_t* P = packed.data_ptr<uint8_t>();
   const int8_t* XQ = xq.data_ptr<int8_t>();
   const float* XD = xd.data_ptr<float>();
-  const int32_t* XS = xs.data_ptr<int32_t>();
+  const int16_t* XS = xs.data_ptr<int16_t>();
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {

@@ -152,6 +152,14 @@ def test_every_group_size_matches_the_reference(hq, hkv, code_path):
     assert torch.equal(attention.attend(q, k, v, vis, 0.3), attention.reference_attend(q, k, v, vis, 0.3))
 
 
+@pytest.mark.parametrize("d", [16, 48, 128])  # the value loop's one- and two-chunk passes
+@pytest.mark.parametrize("start", [15, 31, 60])  # key counts at, below and above multiples of 16
+def test_head_dims_and_key_counts_match_the_reference(d, start, code_path):
+    q, k, v = _qkv(d + start, b=1, t=5, hq=7, hkv=1, d=d, s=72)
+    vis = attention.chain(torch.tensor([start]), 5)
+    assert torch.equal(attention.attend(q, k, v, vis, 0.3), attention.reference_attend(q, k, v, vis, 0.3))
+
+
 def _block_run(model, fused: bool):
     """Logits and cache of a prefill, a 3-token chain block and a 4-node tree block (rows at
     different lengths), with every block run fused (one kernel call for rope, cache write and

@@ -81,6 +81,24 @@ inline void scores16_avx512(const float* q, const float* kbase, const int64_t* s
   _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutexvar_ps(order, e), _mm512_set1_ps(sc)));
 }
 
+// max over s[0..n) with std::max's semantics lane by lane: max_ps(x, m) is (x > m) ? x : m, so a
+// NaN score is skipped and a NaN s[0] stays, as in the sequential loop; without NaNs the maximum
+// is one value whatever the order (only a +0 against a -0 could differ, and s - m is then the same).
+inline float max_avx512(const float* s, int64_t n) {
+  __m512 m = _mm512_set1_ps(s[0]);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) m = _mm512_max_ps(_mm512_loadu_ps(s + j), m);
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    m = _mm512_mask_max_ps(m, tail, _mm512_maskz_loadu_ps(tail, s + j), m);
+  }
+  alignas(64) float lanes[kLanes];
+  _mm512_store_ps(lanes, m);
+  float out = lanes[0];
+  for (int l = 1; l < kLanes; ++l) out = std::max(out, lanes[l]);
+  return out;
+}
+
 inline __m512 exp16_avx512(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(0x1.715476p+0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0x1.63p-1f)));
@@ -103,18 +121,34 @@ inline __m512 exp16_avx512(__m512 x) {
 #ifdef __AVX512F__
 // acc[r][d] = sum over j in order of p[r][j] * v_j[d] (the plain loop's operations, per element),
 // 16 outputs at a time with the REP heads' accumulators in registers: each value row is loaded
-// once per 16 lanes for all heads.
-template <int REP>
-void pv_rep(const float* p, const float* vbase, const int64_t* slot, int64_t n, int64_t D, float* acc) {
-  for (int64_t c = 0; c < D; c += kLanes) {
-    __m512 a[REP];
-    for (int r = 0; r < REP; ++r) a[r] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const __m512 v = _mm512_loadu_ps(vbase + slot[j] * D + c);
-      for (int r = 0; r < REP; ++r) a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(_mm512_set1_ps(p[r * n + j]), v));
+// once per 16 lanes for all heads. pt is p transposed, [n][REP]: key j's REP weights side by side,
+// read from one moving pointer (p's REP row pointers spilled to vector registers, measured: the
+// loop's address arithmetic took more time than its multiplies).
+// Two 16-lane chunks of D per pass (D is a multiple of 32 here, else one): half the passes over
+// the value rows, each reading 128 contiguous bytes of a row.
+template <int REP, int CB>
+void pv_pass(const float* pt, const float* vbase, const int64_t* slot, int64_t n, int64_t D, int64_t c, float* acc) {
+  __m512 a[CB][REP];
+  for (int b = 0; b < CB; ++b)
+    for (int r = 0; r < REP; ++r) a[b][r] = _mm512_setzero_ps();
+  const float* pj = pt;
+  for (int64_t j = 0; j < n; ++j, pj += REP) {
+    const float* row = vbase + slot[j] * D + c;
+    for (int b = 0; b < CB; ++b) {
+      const __m512 v = _mm512_loadu_ps(row + b * kLanes);
+      for (int r = 0; r < REP; ++r) a[b][r] = _mm512_add_ps(a[b][r], _mm512_mul_ps(_mm512_set1_ps(pj[r]), v));
     }
-    for (int r = 0; r < REP; ++r) _mm512_storeu_ps(acc + r * D + c, a[r]);
   }
+  for (int b = 0; b < CB; ++b)
+    for (int r = 0; r < REP; ++r) _mm512_storeu_ps(acc + r * D + c + b * kLanes, a[b][r]);
+}
+
+template <int REP>
+void pv_rep(const float* pt, const float* vbase, const int64_t* slot, int64_t n, int64_t D, float* acc) {
+  if (D % (2 * kLanes) == 0)
+    for (int64_t c = 0; c < D; c += 2 * kLanes) pv_pass<REP, 2>(pt, vbase, slot, n, D, c, acc);
+  else
+    for (int64_t c = 0; c < D; c += kLanes) pv_pass<REP, 1>(pt, vbase, slot, n, D, c, acc);
 }
 
 void pv_avx512(int64_t rep, const float* p, const float* vbase, const int64_t* slot, int64_t n, int64_t D, float* acc) {
@@ -165,7 +199,7 @@ inline float softcap(float x, float cap) {
 // scores: [rep, n] scratch. q: the first query head's vector; consecutive heads are D apart.
 void attend_item(const float* q, const float* kbase, const float* vbase, float* o, int64_t rep, int64_t D,
                  int64_t n, const int64_t* slot, float sc, float cap, std::vector<float>& scores,
-                 std::vector<float>& acc, bool wide) {
+                 std::vector<float>& acc, std::vector<float>& weights, bool wide) {
   scores.resize(rep * n);
   acc.assign(rep * D, 0.0f);
   int64_t j0 = 0;
@@ -193,21 +227,33 @@ void attend_item(const float* q, const float* kbase, const float* vbase, float* 
   std::vector<float> sum(rep, 0.0f);
   for (int64_t r = 0; r < rep; ++r) {
     float* s = scores.data() + r * n;
-    float m = s[0];
-    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
     int64_t j = 0;
 #ifdef __AVX512F__
-    if (wide)
-      for (; j + kLanes <= n; j += kLanes)
-        _mm512_storeu_ps(s + j, exp16_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(m))));
+    if (wide) {
+      const float m = max_avx512(s, n);
+      const __m512 mv = _mm512_set1_ps(m);
+      for (; j + kLanes <= n; j += kLanes) _mm512_storeu_ps(s + j, exp16_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv)));
+      if (j < n) {  // the tail in one masked pass: the same lane-wise operations
+        const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+        _mm512_mask_storeu_ps(s + j, tail, exp16_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv)));
+      }
+      continue;
+    }
 #endif
+    float m = s[0];
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
     for (; j < n; ++j) s[j] = exp16(s[j] - m);
   }
+  const bool transposed = wide && rep <= 8;
+  if (transposed) weights.resize(n * rep);
   for (int64_t j = 0; j < n; ++j)  // in j order per head; the heads are independent chains
-    for (int64_t r = 0; r < rep; ++r) sum[r] = sum[r] + scores[r * n + j];
+    for (int64_t r = 0; r < rep; ++r) {
+      sum[r] = sum[r] + scores[r * n + j];
+      if (transposed) weights[j * rep + r] = scores[r * n + j];
+    }
 #ifdef __AVX512F__
-  if (wide && rep <= 8) {
-    pv_avx512(rep, scores.data(), vbase, slot, n, D, acc.data());
+  if (transposed) {
+    pv_avx512(rep, weights.data(), vbase, slot, n, D, acc.data());
   } else
 #endif
   {
@@ -262,15 +308,15 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   }
   const bool wide = !g_portable;
   at::parallel_for(0, B * T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
+    std::vector<float> scores, acc, weights;
     std::vector<int64_t> slots;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (T * Hkv), t = (item / Hkv) % T, h = item % Hkv, i = b * T + t;
+      const int64_t b = item / (T * Hkv), h = (item / T) % Hkv, t = item % T, i = b * T + t;  // a kv head's queries in turn: its keys stay in cache
       slots.clear();  // the range, then the extra slots
       for (int64_t j = LO[i]; j < HI[i]; ++j) slots.push_back(j);
       for (int64_t e = EP[i]; e < EP[i + 1]; ++e) slots.push_back(EX[e]);
       attend_item(Q + b * qb + t * qt + h * rep * D, K + b * kb + h * kh, V + b * vb + h * vh, O + (i * Hq + h * rep) * D,
-                  rep, D, static_cast<int64_t>(slots.size()), slots.data(), sc, static_cast<float>(cap), scores, acc, wide);
+                  rep, D, static_cast<int64_t>(slots.size()), slots.data(), sc, static_cast<float>(cap), scores, acc, weights, wide);
     }
   });
   return out;

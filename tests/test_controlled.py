@@ -26,7 +26,7 @@ def pair():
     return ours(hf_tiny("qwen2", vocab=97, seed=0), "float32"), ours(hf_tiny("qwen2", vocab=61, seed=5, layers=1), "float32")
 
 
-@pytest.mark.parametrize("a, k", [(0.6, 3), (0.8, 4), (0.9, "auto"), (0.0, 2)])
+@pytest.mark.parametrize("a, k", [(0.6, 3), (0.8, 4), (0.9, "auto"), (0.3, "auto"), (0.0, 2)])
 def test_output_equals_plain_and_acceptance_is_controlled(pair, a, k):
     target, draft = pair
     greedy = SamplingParams(temperature=0.0)
@@ -35,8 +35,10 @@ def test_output_equals_plain_and_acceptance_is_controlled(pair, a, k):
         proposer = ControlledProposer(draft, 200, plain, a, target.vocab_size, seed=1)
         spec = [r.token_ids for r in generate(target, PROMPTS, greedy, 160, proposer=proposer, k=k)]
     assert spec == plain
-    if k != "auto":
-        assert proposer.drafted > 0 and abs(proposer.measured_acceptance() - a) < 0.03, proposer.measured_acceptance()
+    # adaptive k reaches fewer positions (at a = 0.3 it mostly probes): a looser bound, which its
+    # steps without drafts, once counted as rejections, failed (0.04-0.2 measured at a = 0.3)
+    bound = 0.03 if k != "auto" else 0.08
+    assert proposer.drafted > 0 and abs(proposer.measured_acceptance() - a) < bound, proposer.measured_acceptance()
 
 
 def test_the_formula_is_the_chain_formula():

@@ -97,6 +97,8 @@ class ControlledProposer(DraftModelProposer):
         return row.schedule[min(position, len(row.schedule) - 1)]
 
     def propose(self, states: list[ControlledRow], k: int, tree: bool, sampling: SamplingMetadata) -> Proposal:
+        for row in states:
+            row.proposed = k  # (a step without drafts too: else observe counts the last k again)
         if k == 0:
             return no_drafts(len(states))
         _, caught_up = self._feed_unfed(states)  # the draft's forward over the committed tokens, as it runs it
@@ -106,8 +108,6 @@ class ControlledProposer(DraftModelProposer):
             tokens.append(token)
             if i < k - 1:
                 self.model(token % self.model.vocab_size, self.cache)  # the draft's time for one more token
-        for row in states:
-            row.proposed = k
         self._fed_drafts = k - 1
         return Proposal(torch.cat(tokens, 1), None, caught_up=caught_up)
 

@@ -42,14 +42,14 @@ class KernelSource:
 KERNEL_SOURCES = {
     "attention": KernelSource("attention.cpp", ("exp16.h", "rope.h"), VECTOR_FLAGS),
     "elementwise": KernelSource("elementwise.cpp", ("exp16.h", "rope.h"), VECTOR_FLAGS),
-    "q4": KernelSource("q4.cpp", ("q4_blocks.h",), Q4_FLAGS, needs_avx2=True),
-    "q6k": KernelSource("q6k.cpp", (), Q4_FLAGS, needs_avx2=True),  # GGUF Q6_K weights exactly
+    "q4": KernelSource("q4.cpp", ("q4_blocks.h", "vnni.h"), Q4_FLAGS, needs_avx2=True),
+    "q6k": KernelSource("q6k.cpp", ("vnni.h",), Q4_FLAGS, needs_avx2=True),  # GGUF Q6_K weights exactly
     # GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q5_K weights exactly, and their repack from the file
-    "blocks": KernelSource("blocks.cpp", (), Q4_FLAGS, needs_avx2=True),
+    "blocks": KernelSource("blocks.cpp", ("vnni.h",), Q4_FLAGS, needs_avx2=True),
     # GGUF Q4_K/Q6_K blocks -> the q4k/q6k tile layouts at load (a byte shuffle; no vector flags)
     "repack": KernelSource("repack.cpp", (), ()),
     # the q4, attention and elementwise kernels' sources, built together: a model's layers in one call
-    "stack": KernelSource("stack.cpp", ("q4.cpp", "q4_blocks.h", "attention.cpp", "elementwise.cpp", "exp16.h", "rope.h"),
+    "stack": KernelSource("stack.cpp", ("q4.cpp", "q4_blocks.h", "vnni.h", "attention.cpp", "elementwise.cpp", "exp16.h", "rope.h"),
                           VECTOR_FLAGS + Q4_FLAGS, needs_avx2=True),
 }
 

@@ -37,6 +37,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "vnni.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -194,11 +196,6 @@ void tiles_portable(int64_t t0, int64_t t1, int64_t M, int64_t G, int64_t N, con
 // ---------------------------------------------------------------- AVX-512 VNNI
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")
-static inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_t* x) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-  return acc;
-}
-
 // wv[2r]: inputs 4r..4r+3 of the 16 outputs (one 32-bit lane each), wv[2r + 1]: inputs 16 + 4r..
 template <int T>
 static inline void codes512(const uint8_t* chunk, __m512i wv[8]) {

@@ -18,6 +18,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "vnni.h"
 #include <cmath>
 #include <cstdint>
 
@@ -127,11 +129,6 @@ static inline __m256i q4_idot_vnni(const __m256i wv[8], const int32_t* x4) {
 // constant, so the row loop unrolls).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
-static inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_t* x) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-  return acc;
-}
-
 // A chunk's 256 bytes of codes as 8 registers of 4-bit values (u8), in the order of tile_codes.
 static inline void unpack_codes(const uint8_t* codes, __m512i wv[8]) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
@@ -359,11 +356,6 @@ static void q4k_tiles_portable(int64_t tile_begin, int64_t tile_end, int64_t M, 
 // (vpdpwssd on group pairs) and the float rescaling.
 // vpdpwssd with the row's pair of int16 group sums read by embedded broadcast (a separate
 // broadcast from a general register cost ~12% of a many-row call, measured).
-static inline __m512i dpwssd_bcst(__m512i acc, __m512i w, const int32_t* x) {
-  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-  return acc;
-}
-
 template <int R>
 static void q4k_tile_rows_avx512(const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, const float* XD,
                                  const int16_t* XS, const float* bias, float* Y, int64_t N, int64_t ahead) {

@@ -23,6 +23,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "vnni.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -164,25 +166,15 @@ void tiles_avx2(int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t N, const u
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
-// AVX-512 VNNI: a whole tile per register. Per group and row: 4 vpdpbusd reading the row's
-// activation bytes by embedded broadcast (inline asm: compilers emit a separate broadcast), an
-// add, the multiply by the group's scales and an add. The offset's part, -32 * sum_g sc[g] * xs[g],
-// is taken once per superblock and row instead of once per group: 8 vpdpwssd over the scales in
+// AVX-512 VNNI: a whole tile per register. Per group and row: one chain of 4 vpdpbusd reading the
+// row's activation bytes by embedded broadcast (vnni.h), the multiply by the group's scales and
+// an add. The offset's part, -32 * sum_g sc[g] * xs[g], is taken once per superblock and row
+// instead of once per group: 8 vpdpwssd over the scales in
 // group pairs (built once per tile and superblock, shared by the rows) with the row's pairs of
 // int16 code sums by embedded broadcast. The same integers as the reference (integer sums in
 // another order, |.| < 2^31 throughout), so the same results; a multi-row call is bound by these
 // per-row instructions (measured: docs/CHANGELOG.md, 'Q6_K per-superblock offsets').
 constexpr int kRows512 = 8;
-
-static inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_t* x) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-  return acc;
-}
-
-static inline __m512i dpwssd_bcst(__m512i acc, __m512i w, const int32_t* x) {
-  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-  return acc;
-}
 
 // A tile superblock's scales sc [16 groups][16 outputs] (int8) as 8 registers of int16 pairs:
 // pairs[q] lane o = (sc[2q][o], sc[2q + 1][o]), the operand of vpdpwssd against (xs[2q], xs[2q + 1]).
@@ -214,7 +206,6 @@ void tile_avx512(const uint8_t* P, int64_t S, int64_t K, const int8_t* XQ, const
     const uint8_t* p = P + s * kSbBytes;
     const int8_t* sc = reinterpret_cast<const int8_t*>(p + kCodes);
     __m512i isc[R];
-#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) isc[i] = _mm512_setzero_si512();
     for (int64_t g = 0; g < kGroups; ++g) {
       const uint8_t* codes = p + g * kGroupBytes;
@@ -223,8 +214,7 @@ void tile_avx512(const uint8_t* P, int64_t S, int64_t K, const int8_t* XQ, const
       __m512i w[4];
       unpack_group(codes, w);
       const __m512i scv = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * kTile)));
-  #pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) {
+      for (int i = 0; i < R; ++i) {
         const int32_t* x4 = reinterpret_cast<const int32_t*>(XQ + i * K + s * kSuper + g * kGroup);
         __m512i a = dpbusd_bcst(_mm512_setzero_si512(), w[0], x4 + 0);
         a = dpbusd_bcst(a, w[1], x4 + 1);
@@ -236,7 +226,6 @@ void tile_avx512(const uint8_t* P, int64_t S, int64_t K, const int8_t* XQ, const
     __m512i pairs[8];
     scale_pairs(sc, pairs);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kCodes + kGroups * kTile)));
-#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int32_t* xs2 = reinterpret_cast<const int32_t*>(XS + (i * S + s) * kGroups);  // (xs[2q], xs[2q + 1])
       __m512i j0 = dpwssd_bcst(_mm512_setzero_si512(), pairs[0], xs2 + 0);

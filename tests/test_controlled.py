@@ -35,10 +35,11 @@ def test_output_equals_plain_and_acceptance_is_controlled(pair, a, k):
         proposer = ControlledProposer(draft, 200, plain, a, target.vocab_size, seed=1)
         spec = [r.token_ids for r in generate(target, PROMPTS, greedy, 160, proposer=proposer, k=k)]
     assert spec == plain
-    # adaptive k reaches fewer positions (at a = 0.3 it mostly probes): a looser bound, which its
-    # steps without drafts, once counted as rejections, failed (0.04-0.2 measured at a = 0.3)
-    bound = 0.03 if k != "auto" else 0.08
-    assert proposer.drafted > 0 and abs(proposer.measured_acceptance() - a) < bound, proposer.measured_acceptance()
+    # adaptive k reaches fewer positions (at a = 0.3 it mostly probes, ~150-1,000 of them): there,
+    # 4 standard errors of the reached positions' mean (a false failure ~6e-5). Its steps without
+    # drafts, once counted as rejections, read 0.04 at a = 0.3: 0.26 off, beyond that bound.
+    bound = 0.03 if k != "auto" else 4 * (a * (1 - a) / max(proposer.attempted, 1)) ** 0.5
+    assert proposer.drafted > 0 and abs(proposer.measured_acceptance() - a) < bound, (proposer.measured_acceptance(), bound)
 
 
 def test_the_formula_is_the_chain_formula():

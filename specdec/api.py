@@ -11,6 +11,7 @@ from typing import Callable
 
 from specdec.cache import notice
 from specdec.core.prefix_cache import PrefixCache
+from specdec.core.adaptive import CallCosts
 from specdec.core.engine import Engine, new_engine
 from specdec.core.rows import Request
 from specdec.runtime.head import DraftHead
@@ -40,6 +41,8 @@ class TextGenerator:
     _draft_view: heads.DraftView | None = None  # the draft with its pruned output layer, built on first use
     # Earlier outputs, shared by the suffix proposers of later calls (what other requests wrote).
     suffix_history: SuffixHistory = field(default_factory=SuffixHistory)
+    # What the target's calls cost by the positions they score, learned by every engine made here.
+    call_costs: CallCosts = field(default_factory=CallCosts)
 
     @classmethod
     def load(cls, target: str, draft: str | None = None, dtype: str = DEFAULT_DTYPE, draft_dtype: str | None = None,
@@ -142,7 +145,8 @@ class TextGenerator:
         bench and server). ``prefix_cache``: KV of earlier prompts and answers to reuse (the target's own); ``token_budget``: positions a step computes (chunked prefill, :class:`Engine`)."""
         return new_engine(self.target.model, tokens, lambda capacity: spec.build(self, capacity), k=spec.k,
                           k_max=spec.k_max, eos_token_ids=set() if ignore_eos else self.eos_token_ids, seed=seed,
-                          max_batch=max_batch, prefix_cache=prefix_cache, token_budget=token_budget)
+                          max_batch=max_batch, prefix_cache=prefix_cache, token_budget=token_budget,
+                          call_costs=self.call_costs)
 
 
 def draft_vocabulary(target: loading.LoadedModel, draft: loading.LoadedModel) -> VocabMap:

@@ -363,3 +363,23 @@ def test_suffix_proposer_scores_a_longer_copy_as_more_certain():
     sa, sb = a.scores[0].tolist(), b.scores[0].tolist()
     assert all(x < y for x, y in zip(sa, sb))
     assert sa == sorted(sa, reverse=True) and sb == sorted(sb, reverse=True)
+
+
+def test_call_costs_are_learned_by_every_engine_that_is_given_them(target):
+    """The target's call costs outlive an engine: plain decoding measures one position's call,
+    a fixed k measures k + 1 positions, and an adaptive-k engine given the same object starts
+    from those sizes instead of the prior (a cold start cost adaptive k 3-6% at 7B)."""
+    costs = CallCosts()
+    plain = generate(target, [PROMPTS[1]], GREEDY, 6, call_costs=costs)[0].token_ids
+    assert set(costs.shape) == {1}
+    fixed = generate(target, [PROMPTS[0]], GREEDY, 12, proposer=SuffixProposer(min_match=1), k=3, call_costs=costs)
+    assert 4 in costs.shape  # (and shorter blocks where the suffix found fewer)
+    known = dict(costs.shape)
+    engine = Engine(target, SuffixProposer(min_match=1), capacity=96, k="auto", k_max=3, call_costs=costs)
+    assert engine.call_costs is costs
+    row = engine.add(Request(PROMPTS[1], GREEDY, 6, None))
+    while engine.busy:
+        engine.step()
+    assert row.token_ids == plain
+    assert set(known) <= set(costs.shape)
+    assert fixed[0].token_ids == generate(target, [PROMPTS[0]], GREEDY, 12)[0].token_ids

@@ -13,7 +13,10 @@ For a target and draft, one process measures: the draft's cost ratio ``c`` (one 
 against one target forward), ``v(n)`` (a forward of ``n`` = 2..9 tokens against one), plain
 TPOT, and at each ``a`` the speculative time for k = 1..8 fixed and for adaptive k (once per seed
 of :data:`SEEDS`; the report takes medians), beside
-the chain formula's prediction ``(1 - a^(k+1)) / ((1 - a)(k c + v(k+1)))``. llama.cpp runs the
+the chain formula's prediction ``(1 - a^(k+1)) / ((1 - a)(k c + v(k+1)))``. Adaptive k runs twice:
+with the target's call costs that the process's earlier runs measured (one
+:class:`~specdec.core.adaptive.CallCosts`, as one API object or server keeps it) and cold, in
+an engine that measures them from nothing (a one-shot ``specdec generate``). llama.cpp runs the
 target (and the draft, for its ``c``) in a process of its own: its plain TPOT, its ``v(n)`` and
 what the same formula predicts for it. Rows go to ``speculate.jsonl`` (resumable by case) and
 the table to ``speculate.md``. A bench method only: never a user's proposer.
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.core.adaptive import CallCosts
 from specdec.proposers.base import Proposal, no_drafts
 from specdec.proposers.draft_model import DraftModelProposer, DraftRow
 from specdec.verify.sampling import SamplingMetadata
@@ -38,6 +42,7 @@ from specdec.verify.sampling import SamplingMetadata
 K_RANGE = tuple(range(1, 9))
 SEEDS = 3  # each (a, k) runs once per seed; the report takes medians
 SIZES = tuple(range(1, 10))
+COLD = "auto-cold"  # adaptive k in an engine of its own: the call costs measured from nothing
 
 
 @dataclass
@@ -200,18 +205,21 @@ def _measure_specdec(spec: dict) -> dict:
     target = loading.load(spec["path"]).model
     draft = heads.pruned_draft(loading.load(spec["draft"], role="draft"), None).model
     ids = prompt(target.vocab_size)
+    costs = CallCosts()  # the target's call costs, learned by every run but the cold ones (as in one API or server)
     with torch.inference_mode():
         generate(target, [ids], greedy, 2)
         forward = forward_scaling(target, sizes=SIZES)
         c = forward_scaling(draft, sizes=(1,))[1] / forward[1]
-        plain = [_timed(lambda: generate(target, [ids], greedy, n))[0] for _ in range(2)]
+        plain = [_timed(lambda: generate(target, [ids], greedy, n, call_costs=costs))[0] for _ in range(2)]
         reference = generate(target, [ids], greedy, n)[0].token_ids
         runs = []
         for seed in range(SEEDS):
             for a in spec["acceptances"]:
-                for k in (K_RANGE if a >= 0.5 else (1,)) + ("auto",):
+                for k in (K_RANGE if a >= 0.5 else (1,)) + ("auto", COLD):
                     proposer = ControlledProposer(draft, len(ids) + n + 16, [reference], a, target.vocab_size, seed=seed)
-                    seconds, rows = _timed(lambda: generate(target, [ids], greedy, n, proposer=proposer, k=k))
+                    seconds, rows = _timed(lambda: generate(target, [ids], greedy, n, proposer=proposer,
+                                                            k="auto" if k == COLD else k,
+                                                            call_costs=None if k == COLD else costs))
                     runs.append({"a": a, "k": k, "seed": seed, "seconds": seconds,
                                  "identical": rows[0].token_ids == reference, "measured_a": proposer.measured_acceptance(),
                                  "drafted": proposer.drafted, "accepted": proposer.accepted})
@@ -262,8 +270,9 @@ def report(rows: list[dict]) -> str:
         lines.append(f"| {r['case']} | {r['runtime']} | {statistics.median(r['plain_seconds']) / r['tokens'] * 1e3:.0f} | "
                      f"{r['c']:.3f} | {' / '.join(f'{v[m]:.2f}' for m in (2, 3, 5, 9))} | {memory} |")
     lines += ["", "Speed-ups over plain decoding, each the median over the seeds.", "",
-              "| case | a | measured a | adaptive k: speed-up | best fixed k: k, speed-up | predicted (best k) | "
-              "vs llama.cpp plain (adaptive) | llama.cpp predicted | greedy = plain |", "|---|---|---|---|---|---|---|---|---|"]
+              "| case | a | measured a | adaptive k: speed-up | adaptive k, cold costs | best fixed k: k, speed-up | "
+              "predicted (best k) | vs llama.cpp plain (adaptive) | llama.cpp predicted | greedy = plain |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["runtime"] == "specdec" and "runs" in r):
         plain = statistics.median(r["plain_seconds"])
         v = {int(m): x for m, x in r["v"].items()}
@@ -273,7 +282,9 @@ def report(rows: list[dict]) -> str:
             seconds = {k: statistics.median(run["seconds"] for run in runs if run["k"] == k)
                        for k in dict.fromkeys(run["k"] for run in runs)}  # median over the seeds
             auto = {"seconds": seconds["auto"]}
-            fixed = min(({"k": k, "seconds": t} for k, t in seconds.items() if k != "auto"), key=lambda run: run["seconds"])
+            cold = f"{plain / seconds[COLD]:.2f}x" if COLD in seconds else "-"
+            fixed = min(({"k": k, "seconds": t} for k, t in seconds.items() if isinstance(k, int)),
+                        key=lambda run: run["seconds"])
             best_pred = max(K_RANGE, key=lambda k: predicted_speedup(a, k, r["c"], v))
             measured_a = statistics.median(run["measured_a"] for run in runs)
             vs_peer, peer_pred = "-", "-"
@@ -283,7 +294,7 @@ def report(rows: list[dict]) -> str:
                 vs_peer = f"{peer_plain / auto['seconds']:.2f}x"
                 peer_pred = f"{max(predicted_speedup(a, k, peer['c'], pv) for k in K_RANGE):.2f}x"
             same = all(run["identical"] for run in runs)
-            lines.append(f"| {r['case']} | {a:.1f} | {measured_a:.3f} | {plain / auto['seconds']:.2f}x | "
+            lines.append(f"| {r['case']} | {a:.1f} | {measured_a:.3f} | {plain / auto['seconds']:.2f}x | {cold} | "
                          f"k={fixed['k']}: {plain / fixed['seconds']:.2f}x | "
                          f"k={best_pred}: {predicted_speedup(a, best_pred, r['c'], v):.2f}x | {vs_peer} | {peer_pred} | "
                          f"{'yes' if same else 'NO'} |")

@@ -111,18 +111,22 @@ class Engine:
     first, then chunks of waiting prompts, shortest first, with what is left (at least
     :data:`MIN_CHUNK_SHARE` of it), so that a long prompt stalls the running rows for one chunk
     a step, not for its whole prefill; None: every request that joins prefills its whole prompt
-    in its first step.
+    in its first step. ``call_costs``: the target's call costs to learn into and choose k by
+    (None: a fresh one).
     """
 
     def __init__(self, target: Transformer, proposer: Proposer | None = None, *, capacity: int, k: int | str = 0,
                  k_max: int = K_MAX, eos_token_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
                  max_batch: int | None = None, prefix_cache: PrefixCache | None = None,
                  verifier: Callable[..., ChainVerification] = verify_chain_unchecked,
-                 token_budget: int | None = None) -> None:
+                 token_budget: int | None = None, call_costs: CallCosts | None = None) -> None:
         self.controllers: dict[str, AdaptiveK | TreeBudget] | None = None  # per source and shape
-        # What a target call costs by the positions it scores is one fact about the machine, not
-        # about the proposer: every controller learns it from every call (one CallCosts).
-        self.call_costs = CallCosts()
+        # What a target call costs by the positions it scores is one fact about the machine and
+        # the target, not about the proposer: every controller learns it from every call (one
+        # CallCosts), and a caller that runs many engines over one target passes its own, so that
+        # each starts with the shape the earlier ones measured (a cold one costs adaptive k 3-6%
+        # of a 128-token answer at 7B while it finds v(n): docs/CHANGELOG.md, 'warm call costs').
+        self.call_costs = CallCosts() if call_costs is None else call_costs
         # trees or chains, measured per source (adaptive k with a proposer that drafts trees)
         self.races: dict[str, ShapeRace] | None = None
         self._source: str | None = None  # the source of this step's proposal
@@ -553,8 +557,10 @@ class Engine:
         if self.proposer is not None:
             with self.timer.phase("draft"):
                 self.proposer.observe(drafts, result.num_accepted, target_hidden=hidden)
-        if controller is not None:
-            t = self.timer.since(mark)
+        t = self.timer.since(mark)
+        if controller is None:  # a fixed k (or plain decoding) measures the target's calls too
+            self.call_costs.observe(logits.shape[0] * logits.shape[1], t["target_forward"] + t["verification"])
+        else:
             controller.observe_step(block.proposal, result, t.get("draft", 0.0), t["target_forward"] + t["verification"],
                                     caught_up=block.proposal.caught_up)
             if self.races is not None:
@@ -686,13 +692,15 @@ def generate(
     seeds: list[int | None] | None = None,
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
     verifier: Callable[..., ChainVerification] = verify_chain_unchecked,
+    call_costs: CallCosts | None = None,
 ) -> list[RowResult]:
     """Generate up to ``max_new_tokens`` per prompt, all rows joining at once; exact target
     sampling whatever the proposer. A thin loop over :class:`Engine`, token ids in and out (text,
     stop strings and streaming: :class:`specdec.text.session.Session`).
 
     ``k``: draft tokens per step, or ``"auto"``. ``seed``: the engine's streams; ``seeds`` (one
-    per prompt, None for some): reproducible sampling for those rows.
+    per prompt, None for some): reproducible sampling for those rows. ``call_costs``: the
+    target's measured call costs, kept across calls by the caller (None: measured afresh).
     """
     batch = len(prompts)
     if batch == 0:
@@ -702,7 +710,8 @@ def generate(
     row_params = params if isinstance(params, list) else [params] * batch
     longest = max(len(p) for p in prompts)
     engine = new_engine(target, longest + max_new_tokens, None if proposer is None else lambda _: proposer, k=k,
-                        k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, verifier=verifier)
+                        k_max=k_max, eos_token_ids=eos_token_ids, seed=seed, verifier=verifier,
+                        call_costs=call_costs)
     rows = [engine.add(Request(p, row_params[i], max_new_tokens, None if seeds is None else seeds[i]))
             for i, p in enumerate(prompts)]
     for _ in steps(engine, rows):

@@ -160,6 +160,32 @@ def test_head_dims_and_key_counts_match_the_reference(d, start, code_path):
     assert torch.equal(attention.attend(q, k, v, vis, 0.3), attention.reference_attend(q, k, v, vis, 0.3))
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_an_fp16_cache_is_read_as_its_exact_values(case, code_path):
+    """The KV cache of quantized runtimes holds fp16 (runtime.linear.kv_dtype): the kernel reads
+    each half as its exact float, so its output equals the fp32 kernel's on the converted cache,
+    and the reference's, bit for bit (every group size's loop, a key count with a tail)."""
+    q, k, v = _qkv(len(case) + 7, hq=6, hkv=2, s=57)
+    vis = CASES[case]()
+    kh, vh = k.half(), v.half()
+    got = attention.attend(q, kh, vh, vis, 0.25)
+    assert torch.equal(got, attention.attend(q, kh.float(), vh.float(), vis, 0.25))
+    assert torch.equal(got, attention.reference_attend(q, kh, vh, vis, 0.25))
+    assert not torch.equal(got, attention.attend(q, k, v, vis, 0.25))  # the cache's rounding is there
+    with pytest.raises(RuntimeError, match="both fp32 or both fp16"):
+        attention.attend(q, kh, v, vis, 0.25)
+
+
+def test_quantized_runtimes_keep_an_fp16_cache_of_half_the_bytes():
+    from specdec.models import memory
+    from tiny_models import hf_tiny, ours
+
+    model = ours(hf_tiny("qwen2"), "int8")
+    assert model.new_cache(1, 8).k.dtype == torch.float16
+    assert ours(hf_tiny("qwen2"), "float32").new_cache(1, 8).k.dtype == torch.float32
+    assert memory.kv_bytes(model.cfg, 4096, "q4k") * 2 == memory.kv_bytes(model.cfg, 4096, "float32")
+
+
 def _block_run(model, fused: bool):
     """Logits and cache of a prefill, a 3-token chain block and a 4-node tree block (rows at
     different lengths), with every block run fused (one kernel call for rope, cache write and

@@ -155,10 +155,10 @@ def _measure_specdec(spec: dict) -> dict:
         result["first_token_at"] = time.time()
         if not spec["full"]:
             return {**result, "peak_rss_gb": peak_rss() / 1e9}
-        kv = memory.kv_bytes(target.model.cfg, spec["context"])
+        kv = memory.kv_bytes(target.model.cfg, spec["context"], target.model.dtype_name)
         if spec["draft"]:
             draft = loading.load(spec["draft"], role="draft", context=spec["context"])
-            kv += memory.kv_bytes(draft.model.cfg, spec["context"])
+            kv += memory.kv_bytes(draft.model.cfg, spec["context"], draft.model.dtype_name)
             generate(draft.model, [ids], greedy, 2)
         n = spec["tokens"]
         seconds = {1: [], 1 + n: []}

@@ -666,9 +666,13 @@ class Engine:
                 continue
             metrics.acceptance.record(depth[i], accepted[i], scored[i])
             self.metrics.acceptance.record(depth[i], accepted[i], scored[i])
-            for recorder in self.recorders:
-                recorder.committed(row, hidden[i, : accepted[i] + 1])
+            before = len(row.token_ids)
             self._commit(row, committed[i][: accepted[i] + 1])
+            # the fed token's features and those of the accepted drafts committed (a row cut by its
+            # budget or an end-of-sequence token inside the block commits fewer than it accepted)
+            kept = 1 + min(accepted[i], len(row.token_ids) - before)
+            for recorder in self.recorders:
+                recorder.committed(row, hidden[i, :kept])
 
     def _commit(self, row: RowState, ids: list[int]) -> None:
         going = commit_tokens(row.result, ids, self.eos_token_ids, row.request.max_new_tokens)

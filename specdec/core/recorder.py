@@ -31,7 +31,7 @@ class FeatureRecorder:
 
     def features(self, row: RowState) -> torch.Tensor:
         """``[n, E]``: every recorded position of ``row``, prompt first (the last committed token
-        is never fed, so has none yet)."""
+        has none yet, unless it was an accepted draft: fed, then committed as the row's last)."""
         return torch.cat(self._pieces[row])
 
     def forget(self, row: RowState) -> None:

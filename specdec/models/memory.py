@@ -5,7 +5,7 @@ not die minutes later with a MemoryError (or be killed by the kernel). The estim
 
 - weights: what the runtime keeps for the dtype (the ``gguf`` dtype: :func:`gguf_runtime_bytes`;
   a lower dtype: its bits a weight; float32: 4 bytes a weight);
-- the KV cache of one row at ``context`` tokens (fp32 keys and values, every layer);
+- the KV cache of one row at ``context`` tokens (every layer, at the runtime's KV dtype);
 - a fixed allowance for the runtime, the largest matrix's repacking temporaries and torch.
 
 It is compared with the memory available now (``MemAvailable``) and, under an address-space
@@ -17,6 +17,7 @@ from __future__ import annotations
 import resource
 
 import numpy as np
+import torch
 from pathlib import Path
 
 from specdec.runtime.config import ModelConfig
@@ -25,8 +26,13 @@ OVERHEAD = 600 * 2**20  # runtime, temporaries of the largest repacked matrix, t
 BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.1, "q4": 0.63, "q4k": 0.58}
 
 
-def kv_bytes(cfg: ModelConfig, context: int, rows: int = 1) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * context * rows
+def kv_bytes(cfg: ModelConfig, context: int, dtype: str, rows: int = 1) -> int:
+    """The KV cache of ``rows`` rows at ``context`` tokens for weights of ``dtype`` (its element
+    size: :func:`specdec.runtime.linear.kv_dtype`)."""
+    from specdec.runtime.linear import kv_dtype
+
+    element = torch.empty(0, dtype=kv_dtype(dtype)).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element * context * rows
 
 
 def weight_bytes(file, dtype: str) -> int:
@@ -78,7 +84,7 @@ def check(file, cfg: ModelConfig, dtype: str, context: int) -> None:
     """Raise :class:`~specdec.models.loading.ModelLoadError` when the model cannot fit."""
     from specdec.models.loading import ModelLoadError
 
-    need = weight_bytes(file, dtype) + kv_bytes(cfg, min(context, cfg.max_position_embeddings)) + OVERHEAD
+    need = weight_bytes(file, dtype) + kv_bytes(cfg, min(context, cfg.max_position_embeddings), dtype) + OVERHEAD
     mem, address = available()
     # address space mapped beside the weights: the tensor being repacked, and the embedding table
     # (its rows are read in place)
@@ -89,7 +95,7 @@ def check(file, cfg: ModelConfig, dtype: str, context: int) -> None:
             raise ModelLoadError(
                 f"{file.path.name} does not fit: it needs ~{needed / 1e9:.1f} GB ({dtype} weights "
                 f"{weight_bytes(file, dtype) / 1e9:.1f} GB + KV cache at {context} tokens "
-                f"{kv_bytes(cfg, context) / 1e9:.2f} GB + runtime), and {have / 1e9:.1f} GB of {what} is there; "
+                f"{kv_bytes(cfg, context, dtype) / 1e9:.2f} GB + runtime), and {have / 1e9:.1f} GB of {what} is there; "
                 f"use a smaller file (fewer bits a weight, or a smaller model)"
                 f"{' or a shorter context (specdec serve --max-model-len)' if context > 512 else ''}")
 

@@ -72,6 +72,7 @@ class KVCache:
         """Store ``k_new``/``v_new`` ``[B, H, T, D]`` at ``slots`` ``[B, T]`` of ``layer``;
         ``common_start`` is :meth:`common_start` of ``slots``."""
         k, v = self.layer(layer)  # [B, H, capacity, D]
+        k_new, v_new = k_new.to(k.dtype), v_new.to(v.dtype)  # rounded to the cache's dtype (ties to even)
         if common_start is not None:
             t = slots.shape[1]
             k[:, :, common_start : common_start + t] = k_new

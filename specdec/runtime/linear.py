@@ -194,3 +194,12 @@ class LinearBuilder:
 def activation_dtype(dtype: str) -> torch.dtype:
     """The dtype hidden states are carried in: bf16 for bfloat16, fp32 otherwise."""
     return torch.bfloat16 if dtype == "bfloat16" else torch.float32
+
+
+def kv_dtype(dtype: str) -> torch.dtype:
+    """The dtype the KV cache keeps for weights of ``dtype``: the activations' for float32 (the
+    runtime checked against transformers' fp32 logits) and bfloat16; fp16 for every quantized
+    type, as llama.cpp keeps it by default. Half of fp32's memory (Llama-3.1-8B at a 4k context:
+    0.54 GB instead of 1.07 GB) and of the attention's reads; the kernel reads the halves as
+    their exact fp32 values, and a block's keys and values are rounded to them once, when stored."""
+    return activation_dtype(dtype) if dtype in ("float32", "bfloat16") else torch.float16

@@ -25,7 +25,7 @@ from specdec.runtime import attention, elementwise, stack
 from specdec.runtime import rope as rotary
 from specdec.runtime.config import ModelConfig, Rope
 from specdec.runtime.kv_cache import KVCache
-from specdec.runtime.linear import LinearBuilder, activation_dtype
+from specdec.runtime.linear import LinearBuilder, activation_dtype, kv_dtype
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
@@ -277,7 +277,7 @@ class Transformer(torch.nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         cfg = self.cfg
-        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, capacity, self.act_dtype)
+        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, capacity, kv_dtype(self.dtype_name))
 
     def _rope_for(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         need = int(positions.max()) + 1

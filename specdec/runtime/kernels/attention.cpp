@@ -16,6 +16,9 @@
 // exp16 is the Cephes expf polynomial with fixed float constants (not libm's exp), so the
 // reference can reproduce it with elementwise torch ops.
 // Visible slots of query i: the range [lo_i, hi_i) then extra[extra_ptr[i] .. extra_ptr[i+1]).
+// The cache holds fp32 or fp16 keys and values (KT): an fp16 one is read as its exact fp32
+// values (every half is a float), so the operations above are the same; attend_block stores a
+// block's keys and values rounded to the nearest half (ties to even), as torch's .half() does.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -34,10 +37,14 @@ namespace {
 constexpr int kLanes = 16;
 bool g_portable = false;  // tests: force the plain C++ loops where AVX-512 is there
 
-inline float dot16(const float* q, const float* k, int64_t D) {
+inline float tof(float x) { return x; }
+inline float tof(c10::Half x) { return static_cast<float>(x); }  // exact
+
+template <typename KT>
+inline float dot16(const float* q, const KT* k, int64_t D) {
   float a[kLanes] = {0.0f};
   for (int64_t c = 0; c < D; c += kLanes)
-    for (int l = 0; l < kLanes; ++l) a[l] = a[l] + q[c + l] * k[c + l];
+    for (int l = 0; l < kLanes; ++l) a[l] = a[l] + q[c + l] * tof(k[c + l]);
   for (int l = 0; l < 8; ++l) a[l] = a[l] + a[l + 8];
   for (int l = 0; l < 4; ++l) a[l] = a[l] + a[l + 4];
   for (int l = 0; l < 2; ++l) a[l] = a[l] + a[l + 2];
@@ -46,10 +53,15 @@ inline float dot16(const float* q, const float* k, int64_t D) {
 
 
 #ifdef __AVX512F__
+// 16 keys' or values' elements as fp32 (an fp16 cache's converted exactly).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
 // The same operations, 16 lanes per instruction (identical results: lane-wise, same order).
-inline float dot16_avx512(const float* q, const float* k, int64_t D) {
+template <typename KT>
+inline float dot16_avx512(const float* q, const KT* k, int64_t D) {
   __m512 a = _mm512_setzero_ps();
-  for (int64_t c = 0; c < D; c += kLanes) a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c)));
+  for (int64_t c = 0; c < D; c += kLanes) a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(q + c), load16(k + c)));
   const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
@@ -60,12 +72,13 @@ inline float dot16_avx512(const float* q, const float* k, int64_t D) {
 // (l, l+4), (l, l+2), (0, 1) done for 16 keys at once by pairing registers — the same
 // additions on the same operands as dot16_avx512's horizontal tree, ~4x fewer instructions.
 // After the four levels lane 4t + p holds key 4p + t; a permutation puts them in key order.
-inline void scores16_avx512(const float* q, const float* kbase, const int64_t* slot, int64_t D, float sc, float* out) {
+template <typename KT>
+inline void scores16_avx512(const float* q, const KT* kbase, const int64_t* slot, int64_t D, float sc, float* out) {
   __m512 a[kLanes];
   for (int u = 0; u < kLanes; ++u) a[u] = _mm512_setzero_ps();
   for (int64_t c = 0; c < D; c += kLanes) {
     const __m512 qv = _mm512_loadu_ps(q + c);
-    for (int u = 0; u < kLanes; ++u) a[u] = _mm512_add_ps(a[u], _mm512_mul_ps(qv, _mm512_loadu_ps(kbase + slot[u] * D + c)));
+    for (int u = 0; u < kLanes; ++u) a[u] = _mm512_add_ps(a[u], _mm512_mul_ps(qv, load16(kbase + slot[u] * D + c)));
   }
   __m512 b[8], c4[4], d2[2];
   for (int i = 0; i < 8; ++i)  // (l, l+8): 256-bit halves of keys 2i | 2i+1
@@ -126,16 +139,16 @@ inline __m512 exp16_avx512(__m512 x) {
 // loop's address arithmetic took more time than its multiplies).
 // Two 16-lane chunks of D per pass (D is a multiple of 32 here, else one): half the passes over
 // the value rows, each reading 128 contiguous bytes of a row.
-template <int REP, int CB>
-void pv_pass(const float* pt, const float* vbase, const int64_t* slot, int64_t n, int64_t D, int64_t c, float* acc) {
+template <int REP, int CB, typename KT>
+void pv_pass(const float* pt, const KT* vbase, const int64_t* slot, int64_t n, int64_t D, int64_t c, float* acc) {
   __m512 a[CB][REP];
   for (int b = 0; b < CB; ++b)
     for (int r = 0; r < REP; ++r) a[b][r] = _mm512_setzero_ps();
   const float* pj = pt;
   for (int64_t j = 0; j < n; ++j, pj += REP) {
-    const float* row = vbase + slot[j] * D + c;
+    const KT* row = vbase + slot[j] * D + c;
     for (int b = 0; b < CB; ++b) {
-      const __m512 v = _mm512_loadu_ps(row + b * kLanes);
+      const __m512 v = load16(row + b * kLanes);
       for (int r = 0; r < REP; ++r) a[b][r] = _mm512_add_ps(a[b][r], _mm512_mul_ps(_mm512_set1_ps(pj[r]), v));
     }
   }
@@ -143,24 +156,25 @@ void pv_pass(const float* pt, const float* vbase, const int64_t* slot, int64_t n
     for (int r = 0; r < REP; ++r) _mm512_storeu_ps(acc + r * D + c + b * kLanes, a[b][r]);
 }
 
-template <int REP>
-void pv_rep(const float* pt, const float* vbase, const int64_t* slot, int64_t n, int64_t D, float* acc) {
+template <int REP, typename KT>
+void pv_rep(const float* pt, const KT* vbase, const int64_t* slot, int64_t n, int64_t D, float* acc) {
   if (D % (2 * kLanes) == 0)
-    for (int64_t c = 0; c < D; c += 2 * kLanes) pv_pass<REP, 2>(pt, vbase, slot, n, D, c, acc);
+    for (int64_t c = 0; c < D; c += 2 * kLanes) pv_pass<REP, 2, KT>(pt, vbase, slot, n, D, c, acc);
   else
-    for (int64_t c = 0; c < D; c += kLanes) pv_pass<REP, 1>(pt, vbase, slot, n, D, c, acc);
+    for (int64_t c = 0; c < D; c += kLanes) pv_pass<REP, 1, KT>(pt, vbase, slot, n, D, c, acc);
 }
 
-void pv_avx512(int64_t rep, const float* p, const float* vbase, const int64_t* slot, int64_t n, int64_t D, float* acc) {
+template <typename KT>
+void pv_avx512(int64_t rep, const float* p, const KT* vbase, const int64_t* slot, int64_t n, int64_t D, float* acc) {
   switch (rep) {
-    case 1: return pv_rep<1>(p, vbase, slot, n, D, acc);
-    case 2: return pv_rep<2>(p, vbase, slot, n, D, acc);
-    case 3: return pv_rep<3>(p, vbase, slot, n, D, acc);
-    case 4: return pv_rep<4>(p, vbase, slot, n, D, acc);
-    case 5: return pv_rep<5>(p, vbase, slot, n, D, acc);
-    case 6: return pv_rep<6>(p, vbase, slot, n, D, acc);
-    case 7: return pv_rep<7>(p, vbase, slot, n, D, acc);
-    default: return pv_rep<8>(p, vbase, slot, n, D, acc);
+    case 1: return pv_rep<1, KT>(p, vbase, slot, n, D, acc);
+    case 2: return pv_rep<2, KT>(p, vbase, slot, n, D, acc);
+    case 3: return pv_rep<3, KT>(p, vbase, slot, n, D, acc);
+    case 4: return pv_rep<4, KT>(p, vbase, slot, n, D, acc);
+    case 5: return pv_rep<5, KT>(p, vbase, slot, n, D, acc);
+    case 6: return pv_rep<6, KT>(p, vbase, slot, n, D, acc);
+    case 7: return pv_rep<7, KT>(p, vbase, slot, n, D, acc);
+    default: return pv_rep<8, KT>(p, vbase, slot, n, D, acc);
   }
 }
 #endif
@@ -171,13 +185,14 @@ void pv_avx512(int64_t rep, const float* p, const float* vbase, const int64_t* s
 // over 305 keys took 35 us per item cold, 10 us hot; 16 keys ahead saved 11-12% of the
 // attention of 1- and 5-query blocks over 28 cold layers, none at 9). Keys go to L1, values to L2 (read after
 // all the scores). Loads only: the arithmetic, hence the result, is unchanged.
-inline void prefetch_rows(const float* kbase, const float* vbase, const int64_t* slot, int64_t j, int64_t count,
+template <typename KT>
+inline void prefetch_rows(const KT* kbase, const KT* vbase, const int64_t* slot, int64_t j, int64_t count,
                           int64_t n, int64_t D) {
   const int64_t end = std::min(n, j + count);
   for (; j < end; ++j) {
     const char* kp = reinterpret_cast<const char*>(kbase + slot[j] * D);
     const char* vp = reinterpret_cast<const char*>(vbase + slot[j] * D);
-    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(float)); b += 64) {
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KT)); b += 64) {
       _mm_prefetch(kp + b, _MM_HINT_T0);
       _mm_prefetch(vp + b, _MM_HINT_T1);
     }
@@ -197,7 +212,8 @@ inline float softcap(float x, float cap) {
 
 // One (row, query, kv head) item: the `rep` query heads sharing the kv head.
 // scores: [rep, n] scratch. q: the first query head's vector; consecutive heads are D apart.
-void attend_item(const float* q, const float* kbase, const float* vbase, float* o, int64_t rep, int64_t D,
+template <typename KT>
+void attend_item(const float* q, const KT* kbase, const KT* vbase, float* o, int64_t rep, int64_t D,
                  int64_t n, const int64_t* slot, float sc, float cap, std::vector<float>& scores,
                  std::vector<float>& acc, std::vector<float>& weights, bool wide) {
   scores.resize(rep * n);
@@ -212,7 +228,7 @@ void attend_item(const float* q, const float* kbase, const float* vbase, float* 
     }
 #endif
   for (int64_t j = j0; j < n; ++j) {  // each key row is read once for the `rep` heads sharing it
-    const float* kp = kbase + slot[j] * D;
+    const KT* kp = kbase + slot[j] * D;
     for (int64_t r = 0; r < rep; ++r) {
 #ifdef __AVX512F__
       const float dot = wide ? dot16_avx512(q + r * D, kp, D) : dot16(q + r * D, kp, D);
@@ -258,11 +274,11 @@ void attend_item(const float* q, const float* kbase, const float* vbase, float* 
 #endif
   {
     for (int64_t j = 0; j < n; ++j) {
-      const float* vp = vbase + slot[j] * D;
+      const KT* vp = vbase + slot[j] * D;
       for (int64_t r = 0; r < rep; ++r) {
         const float p = scores[r * n + j];
         float* a = acc.data() + r * D;
-        for (int64_t d = 0; d < D; ++d) a[d] = a[d] + p * vp[d];
+        for (int64_t d = 0; d < D; ++d) a[d] = a[d] + p * tof(vp[d]);
       }
     }
   }
@@ -270,42 +286,11 @@ void attend_item(const float* q, const float* kbase, const float* vbase, float* 
     for (int64_t d = 0; d < D; ++d) o[r * D + d] = acc[r * D + d] / sum[r];
 }
 
-}  // namespace
-
-// q [B, T, Hq, D] fp32 contiguous in (Hq, D); k, v [B, Hkv, S, D] fp32, contiguous in (S, D);
-// lo, hi [B*T] int64; extra_ptr [B*T+1] int64; extra [nnz] int64; cap > 0: softcapped scores.
-// Returns [B, T, Hq, D].
-torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lo, torch::Tensor hi,
-                     torch::Tensor extra_ptr, torch::Tensor extra, double scale, double cap = 0.0) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat && q.stride(3) == 1 && q.stride(2) == q.size(3),
-              "q must be [B, T, Hq, D] fp32, contiguous in (Hq, D)");
-  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
-              "k, v must be [B, Hkv, S, D] fp32");
-  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(D % kLanes == 0, "head_dim must be a multiple of 16, got ", D);
-  TORCH_CHECK(k.size(0) == B && v.sizes() == k.sizes() && k.size(3) == D && Hq % Hkv == 0, "q, k, v shapes disagree");
-  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D, "k, v must be contiguous in (S, D)");
-  TORCH_CHECK(lo.numel() == B * T && hi.numel() == B * T && extra_ptr.numel() == B * T + 1, "visibility shapes disagree");
-  for (const auto& t : {lo, hi, extra_ptr, extra})
-    TORCH_CHECK(t.scalar_type() == torch::kLong && t.is_contiguous(), "visibility tensors must be contiguous int64");
+template <typename KT>
+void attend_items(const float* Q, const KT* K, const KT* V, float* O, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
+                  int64_t D, int64_t qb, int64_t qt, int64_t kb, int64_t kh, int64_t vb, int64_t vh, const int64_t* LO,
+                  const int64_t* HI, const int64_t* EP, const int64_t* EX, float sc, float cap) {
   const int64_t rep = Hq / Hkv;
-  auto out = torch::empty({B, T, Hq, D}, q.options());
-  const int64_t qb = q.stride(0), qt = q.stride(1);
-  const float* Q = q.data_ptr<float>();
-  const float* K = k.data_ptr<float>();
-  const float* V = v.data_ptr<float>();
-  const int64_t* LO = lo.data_ptr<int64_t>();
-  const int64_t* HI = hi.data_ptr<int64_t>();
-  const int64_t* EP = extra_ptr.data_ptr<int64_t>();
-  const int64_t* EX = extra.numel() ? extra.data_ptr<int64_t>() : nullptr;
-  float* O = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
-  for (int64_t i = 0; i < B * T; ++i) {
-    TORCH_CHECK(0 <= LO[i] && LO[i] <= HI[i] && HI[i] <= S && EP[i] <= EP[i + 1], "bad visible range for query ", i);
-    for (int64_t e = EP[i]; e < EP[i + 1]; ++e) TORCH_CHECK(0 <= EX[e] && EX[e] < S, "bad visible slot ", EX[e]);
-    TORCH_CHECK(HI[i] - LO[i] + EP[i + 1] - EP[i] > 0, "query ", i, " sees no key");
-  }
   const bool wide = !g_portable;
   at::parallel_for(0, B * T * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, weights;
@@ -315,10 +300,81 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
       slots.clear();  // the range, then the extra slots
       for (int64_t j = LO[i]; j < HI[i]; ++j) slots.push_back(j);
       for (int64_t e = EP[i]; e < EP[i + 1]; ++e) slots.push_back(EX[e]);
-      attend_item(Q + b * qb + t * qt + h * rep * D, K + b * kb + h * kh, V + b * vb + h * vh, O + (i * Hq + h * rep) * D,
-                  rep, D, static_cast<int64_t>(slots.size()), slots.data(), sc, static_cast<float>(cap), scores, acc, weights, wide);
+      attend_item<KT>(Q + b * qb + t * qt + h * rep * D, K + b * kb + h * kh, V + b * vb + h * vh, O + (i * Hq + h * rep) * D,
+                      rep, D, static_cast<int64_t>(slots.size()), slots.data(), sc, cap, scores, acc, weights, wide);
     }
   });
+}
+
+// One head's D values into the cache: as they are, or rounded to the nearest half (ties to even).
+inline void store_head(float* dst, const float* src, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+inline void store_head(c10::Half* dst, const float* src, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = c10::Half(src[d]);
+}
+
+// attend_block's first half: the block's queries rotated into Q [B, T, hq, D], its keys rotated
+// and its values stored at their slots of K, V (a cache layer of KT).
+template <typename KT>
+void store_block(const torch::Tensor& qkv, const float* C, const float* SN, float* Q, KT* K, KT* V, const int64_t* SL,
+                 int64_t hq, int64_t Hkv, int64_t D, int64_t kb, int64_t kh, int64_t vb, int64_t vh) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), sb = qkv.stride(0), st = qkv.stride(1);
+  const float* X = qkv.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / qkv.size(2));  // few rows: no thread wake-up
+  at::parallel_for(0, B * T, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(D);
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T;
+      const float* xr = X + b * sb + (bt % T) * st;
+      const float* c = C + bt * D;
+      const float* s = SN + bt * D;
+      for (int64_t h = 0; h < hq; ++h) rope_head(xr + h * D, c, s, Q + (bt * hq + h) * D, D);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        rope_head(xr + (hq + h) * D, c, s, rotated.data(), D);
+        store_head(K + b * kb + h * kh + SL[bt] * D, rotated.data(), D);
+        store_head(V + b * vb + h * vh + SL[bt] * D, xr + (hq + Hkv + h) * D, D);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, T, Hq, D] fp32 contiguous in (Hq, D); k, v [B, Hkv, S, D] fp32 or fp16 (both the same),
+// contiguous in (S, D); lo, hi [B*T] int64; extra_ptr [B*T+1] int64; extra [nnz] int64; cap > 0:
+// softcapped scores. Returns [B, T, Hq, D] fp32.
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor lo, torch::Tensor hi,
+                     torch::Tensor extra_ptr, torch::Tensor extra, double scale, double cap = 0.0) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat && q.stride(3) == 1 && q.stride(2) == q.size(3),
+              "q must be [B, T, Hq, D] fp32, contiguous in (Hq, D)");
+  const bool half = k.scalar_type() == torch::kHalf;
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && (half || k.scalar_type() == torch::kFloat) && v.scalar_type() == k.scalar_type(),
+              "k, v must be [B, Hkv, S, D], both fp32 or both fp16");
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(D % kLanes == 0, "head_dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(k.size(0) == B && v.sizes() == k.sizes() && k.size(3) == D && Hq % Hkv == 0, "q, k, v shapes disagree");
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D, "k, v must be contiguous in (S, D)");
+  TORCH_CHECK(lo.numel() == B * T && hi.numel() == B * T && extra_ptr.numel() == B * T + 1, "visibility shapes disagree");
+  for (const auto& t : {lo, hi, extra_ptr, extra})
+    TORCH_CHECK(t.scalar_type() == torch::kLong && t.is_contiguous(), "visibility tensors must be contiguous int64");
+  auto out = torch::empty({B, T, Hq, D}, q.options());
+  const int64_t* LO = lo.data_ptr<int64_t>();
+  const int64_t* HI = hi.data_ptr<int64_t>();
+  const int64_t* EP = extra_ptr.data_ptr<int64_t>();
+  const int64_t* EX = extra.numel() ? extra.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < B * T; ++i) {
+    TORCH_CHECK(0 <= LO[i] && LO[i] <= HI[i] && HI[i] <= S && EP[i] <= EP[i + 1], "bad visible range for query ", i);
+    for (int64_t e = EP[i]; e < EP[i + 1]; ++e) TORCH_CHECK(0 <= EX[e] && EX[e] < S, "bad visible slot ", EX[e]);
+    TORCH_CHECK(HI[i] - LO[i] + EP[i + 1] - EP[i] > 0, "query ", i, " sees no key");
+  }
+  const float sc = static_cast<float>(scale), cp = static_cast<float>(cap);
+  const float* Q = q.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  if (half)
+    attend_items<c10::Half>(Q, k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), O, B, T, Hq, Hkv, D, q.stride(0), q.stride(1),
+                            k.stride(0), k.stride(1), v.stride(0), v.stride(1), LO, HI, EP, EX, sc, cp);
+  else
+    attend_items<float>(Q, k.data_ptr<float>(), v.data_ptr<float>(), O, B, T, Hq, Hkv, D, q.stride(0), q.stride(1),
+                        k.stride(0), k.stride(1), v.stride(0), v.stride(1), LO, HI, EP, EX, sc, cp);
   return out;
 }
 
@@ -327,15 +383,16 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 // (rope.h, the elementwise kernel's rope), store its keys and values at `slots` in this layer
 // of the cache, then `attend`. The same float operations as those steps: the same bits.
 // qkv [B, T, (Hq + 2 Hkv) D] fp32, unit inner stride; cos, sin [B, T, D] contiguous (signed
-// sin); k, v [B, Hkv, S, D] fp32 (a layer of the cache, contiguous in (S, D)), written in place;
+// sin); k, v [B, Hkv, S, D] fp32 or fp16 (a layer of the cache, contiguous in (S, D)), written in place;
 // slots [B, T] int64, distinct within a row. Returns [B, T, Hq * D].
 torch::Tensor attend_block(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
                            torch::Tensor slots, torch::Tensor lo, torch::Tensor hi, torch::Tensor extra_ptr,
                            torch::Tensor extra, double scale, int64_t hq) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == torch::kFloat && qkv.stride(2) == 1,
               "qkv must be [B, T, W] fp32 with unit inner stride");
-  TORCH_CHECK(k.dim() == 4 && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat && v.sizes() == k.sizes(),
-              "k, v must be [B, Hkv, S, D] fp32");
+  const bool half = k.scalar_type() == torch::kHalf;
+  TORCH_CHECK(k.dim() == 4 && (half || k.scalar_type() == torch::kFloat) && v.scalar_type() == k.scalar_type() &&
+              v.sizes() == k.sizes(), "k, v must be [B, Hkv, S, D], both fp32 or both fp16");
   const int64_t B = qkv.size(0), T = qkv.size(1), Hkv = k.size(1), S = k.size(2), D = k.size(3);
   TORCH_CHECK(k.size(0) == B && hq > 0 && qkv.size(2) == (hq + 2 * Hkv) * D, "qkv must be [B, T, (hq + 2 Hkv) * D]");
   TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D, "k, v must be contiguous in (S, D)");
@@ -346,27 +403,15 @@ torch::Tensor attend_block(torch::Tensor qkv, torch::Tensor cos, torch::Tensor s
   const int64_t* SL = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(0 <= SL[i] && SL[i] < S, "slot ", SL[i], " is outside the cache's ", S);
   auto q = torch::empty({B, T, hq, D}, qkv.options());
-  const float* X = qkv.data_ptr<float>();
   const float* C = cos.data_ptr<float>();
   const float* SN = sin.data_ptr<float>();
   float* Q = q.data_ptr<float>();
-  float* K = k.data_ptr<float>();
-  float* V = v.data_ptr<float>();
-  const int64_t sb = qkv.stride(0), st = qkv.stride(1), kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / qkv.size(2));  // few rows: no thread wake-up
-  at::parallel_for(0, B * T, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t bt = begin; bt < end; ++bt) {
-      const int64_t b = bt / T;
-      const float* xr = X + b * sb + (bt % T) * st;
-      const float* c = C + bt * D;
-      const float* s = SN + bt * D;
-      for (int64_t h = 0; h < hq; ++h) rope_head(xr + h * D, c, s, Q + (bt * hq + h) * D, D);
-      for (int64_t h = 0; h < Hkv; ++h) {
-        rope_head(xr + (hq + h) * D, c, s, K + b * kb + h * kh + SL[bt] * D, D);
-        std::memcpy(V + b * vb + h * vh + SL[bt] * D, xr + (hq + Hkv + h) * D, D * sizeof(float));
-      }
-    }
-  });
+  if (half)
+    store_block<c10::Half>(qkv, C, SN, Q, k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), SL, hq, Hkv, D, k.stride(0),
+                           k.stride(1), v.stride(0), v.stride(1));
+  else
+    store_block<float>(qkv, C, SN, Q, k.data_ptr<float>(), v.data_ptr<float>(), SL, hq, Hkv, D, k.stride(0), k.stride(1),
+                       v.stride(0), v.stride(1));
   return attend(q, k, v, lo, hi, extra_ptr, extra, scale).view({B, T, hq * D});
 }
 

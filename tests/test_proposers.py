@@ -110,3 +110,29 @@ def test_negative_control_for_every_proposer(kind, monkeypatch):
     monkeypatch.setattr(verify_module, "residual_distribution", lambda p, q, tolerance=1e-6: p)
     counts, joint = _proposer_joint_counts(kind)
     assert chi_square_pvalue(counts, joint) < ALPHA
+
+
+def test_a_long_prompt_is_prefilled_by_the_draft_in_chunks_with_the_bits_of_one_call():
+    """DraftModelProposer.add prefills in chunks of STEP_TOKENS (a long prompt's intermediates
+    stay a chunk's size): ragged prompts of 300 and 450 tokens leave the cache of one call, bit
+    for bit, and the proposer drafts on from it."""
+    from specdec.core.prefill import STEP_TOKENS
+    from specdec.verify.sampling import SamplingMetadata
+
+    draft = ours(hf_tiny("qwen2", seed=3), "int8")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (300, 450)]
+    assert max(map(len, prompts)) > STEP_TOKENS
+    proposer = DraftModelProposer(draft, 480)
+    states = proposer.add(prompts)
+    one = draft.new_cache(2, 480)
+    padded = torch.tensor([p + [0] * (450 - len(p)) for p in prompts])
+    draft(padded, one, logit_index=torch.zeros(2, 1, dtype=torch.long))
+    one.truncate(torch.tensor([300, 450]))
+    assert torch.equal(proposer.cache.lengths, one.lengths)
+    for row, n in enumerate((300, 450)):
+        assert torch.equal(proposer.cache.k[:, row, :, :n], one.k[:, row, :, :n])
+        assert torch.equal(proposer.cache.v[:, row, :, :n], one.v[:, row, :, :n])
+    proposer.feed(states, [[p[-1]] for p in prompts])
+    drafts = proposer.propose(states, 3, False, SamplingMetadata([GREEDY, GREEDY], torch.Generator()))
+    assert drafts.tokens.shape == (2, 3)

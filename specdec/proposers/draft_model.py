@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.core.prefill import STEP_TOKENS
 from specdec.proposers.base import Proposal, draft_token, no_drafts
 from specdec.runtime.model import Transformer
 from specdec.text.vocab import VocabMap
@@ -45,7 +46,10 @@ class DraftModelProposer:
         self._fed_drafts = 0  # draft tokens of the last proposal that were written into the cache
 
     def add(self, prompts: list[list[int]], target_hidden: torch.Tensor | None = None) -> list[DraftRow]:
-        """New rows: their prompts are prefilled now, in one call over just those rows."""
+        """New rows: their prompts are prefilled now, over just those rows, in chunks of
+        :data:`~specdec.core.prefill.STEP_TOKENS` positions (bit-identical to one call, as the
+        target's chunked prefill; a 3,950-token prompt through a 1B draft in one call held
+        ~0.5 GB of intermediates)."""
         if self.cache is None:
             self.cache = self.model.new_cache(0, self.capacity)
         prompts = [self._draft_ids(p) for p in prompts]
@@ -54,8 +58,10 @@ class DraftModelProposer:
         counts = torch.tensor([len(p) for p in prompts])
         width = int(counts.max())
         padded = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
-        self.model(padded, rows, logit_index=(counts - 1).unsqueeze(1))  # (the logits come with the first token)
-        rows.truncate(counts)
+        first = torch.zeros(len(prompts), 1, dtype=torch.long)  # (the logits come with the first token)
+        for at in range(0, width, STEP_TOKENS):
+            self.model(padded[:, at : at + STEP_TOKENS], rows, logit_index=first)
+        rows.truncate(counts)  # (the padding past a shorter prompt is dropped)
         self.cache.set_lengths(start, rows.lengths)
         return [DraftRow() for _ in prompts]
 

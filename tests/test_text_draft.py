@@ -89,19 +89,20 @@ PROMPTS = ["abcabcabc", "Hello, world. Hello, world.", "def f(x): return x + 1",
 
 def test_greedy_with_a_text_draft_equals_plain_and_drafts_get_accepted():
     """The draft is the target itself behind another tokenizer (ids rotated): its text is the
-    target's, so drafts are accepted (not all: each int8 twin's activation scales are calibrated
-    on its own ids; 107 of 210 with an fp32 cache, 104 of 220 with the fp16 one); output equals
-    plain decoding token for token."""
+    target's, so drafts are accepted; output equals plain decoding token for token. At float32
+    (an fp32 KV cache): 107 of 210 drafts accepted; the quantized runtimes' fp16 cache took the
+    int8 pair to 104 of 220, under this bound (the int8 text draft's greedy identity is checked
+    above). Why a self-draft accepts only about half is not yet understood."""
     hf = hf_tiny("llama")
-    target = ours(hf, "int8")
-    draft = ours(_renumbered(hf, 5), "int8")
+    target = ours(hf, "float32")
+    draft = ours(_renumbered(hf, 5), "float32")
     ttok, dtok = char_tokenizer(), char_tokenizer(shift=5)
     prompts = [ttok(p)["input_ids"] for p in PROMPTS]
     plain = generate(target, prompts, GREEDY, 40)
     spec = generate(target, prompts, GREEDY, 40, proposer=TextDraftProposer(draft, dtok, ttok, 128), k=4)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     acc = spec[0].batch_metrics.acceptance
-    assert acc.accepted > 0.4 * acc.drafted
+    assert acc.accepted > 0.5 * acc.drafted
 
 
 def test_generate_and_verify_with_a_draft_of_another_tokenizer(tmp_path, monkeypatch, capsys):

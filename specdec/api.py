@@ -18,6 +18,7 @@ from specdec.core.rows import Request
 from specdec.runtime.head import DraftHead
 from specdec.proposers.suffix import SuffixHistory
 from specdec.models import heads, loading
+from specdec.models.costs import load_costs, save_costs
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.verify.sampling import SamplingParams
 from specdec.text.chat import encode_messages
@@ -42,7 +43,8 @@ class TextGenerator:
     _draft_view: heads.DraftView | None = None  # the draft with its pruned output layer, built on first use
     # Earlier outputs, shared by the suffix proposers of later calls (what other requests wrote).
     suffix_history: SuffixHistory = field(default_factory=SuffixHistory)
-    # What the target's calls cost by the positions they score, learned by every engine made here.
+    # What the target's calls cost by the positions they score, learned by every engine made here
+    # and kept for the next process (specdec.models.costs; :meth:`keep_costs`).
     call_costs: CallCosts = field(default_factory=CallCosts)
 
     @classmethod
@@ -62,7 +64,8 @@ class TextGenerator:
         path = heads.shipped(target) if head == "auto" else head  # matched by the GGUF's sha256, not its name
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"no draft head at {path}")
-        gen = cls(t, d, head_path=Path(path) if path else None, draft_text=text, vocab_map=vocab)
+        gen = cls(t, d, head_path=Path(path) if path else None, draft_text=text, vocab_map=vocab,
+                  call_costs=load_costs(t))
         tok = t.tokenizer
         ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
         vocab = tok.get_vocab()
@@ -140,7 +143,13 @@ class TextGenerator:
         engine = self.engine(spec, max(len(p) for p in prompts) + max_new_tokens, seed=seed, ignore_eos=ignore_eos,
                              token_budget=STEP_TOKENS)
         requests = [Request(p, params, max_new_tokens) for p in prompts]
-        return Session(engine, self.target.tokenizer).run(requests, stop, on_text)
+        results = Session(engine, self.target.tokenizer).run(requests, stop, on_text)
+        self.keep_costs()
+        return results
+
+    def keep_costs(self) -> None:
+        """Keep the target's call costs learned so far for the next process to start from."""
+        save_costs(self.target, self.call_costs)
 
     def engine(self, spec: SpeculationConfig, tokens: int, *, seed: int = 0, max_batch: int | None = None,
                ignore_eos: bool = False, prefix_cache: PrefixCache | None = None,

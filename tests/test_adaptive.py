@@ -265,3 +265,36 @@ def test_the_engine_keeps_a_joining_requests_prefill_out_of_the_draft_cost():
     while engine.busy:
         engine.step()
     assert len(row.token_ids) == 12
+
+
+def test_call_costs_outlive_the_process_keyed_by_model_and_machine(tmp_path, home, monkeypatch):
+    """What one process learned of the target's call costs, the next loads: a one-shot
+    `specdec generate` otherwise starts adaptive k from the prior every time (a cold start cost
+    7-9% at 7B). Another thread count is another key; a damaged file is said and ignored."""
+    import torch
+
+    from specdec.api import TextGenerator
+    from specdec.models.costs import costs_path
+    from tiny_models import hf_tiny, save_hf_dir
+
+    directory = str(save_hf_dir(hf_tiny("qwen2", seed=0), tmp_path / "m"))
+    first = TextGenerator.load(directory, dtype="int8")
+    assert first.call_costs.scale is None  # nothing kept yet
+    first.generate([[5, 6, 7, 7, 7]], SamplingParams(temperature=0.0), 8, speculation=first.speculation("none"))
+    learned = first.call_costs.state()
+    assert learned["shape"] == {"1": 1.0} and learned["scale"] > 0
+    assert costs_path(first.target).is_file()
+    again = TextGenerator.load(directory, dtype="int8")
+    assert again.call_costs.state() == learned and again.call_costs is not first.call_costs
+    assert CallCosts.from_state(learned).costs(3) == first.call_costs.costs(3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert TextGenerator.load(directory, dtype="int8").call_costs.scale is None  # measured at other threads
+    finally:
+        torch.set_num_threads(threads)
+    costs_path(first.target).write_text('{"scale": -1, "shape": {"1": 1.0}}')
+    assert TextGenerator.load(directory, dtype="int8").call_costs.scale is None  # damaged: learned afresh
+    for bad in ({"scale": 1.0, "shape": {}}, {"scale": 1.0, "shape": {"2": 0.9, "3": 1.2}}, {"shape": {"1": 1.0}}):
+        with pytest.raises((ValueError, KeyError)):
+            CallCosts.from_state(bad)

@@ -1,4 +1,4 @@
-"""GGUF's 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K) in their kernel family, and
+"""GGUF's 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, IQ4_NL, IQ4_XS) in their kernel family, and
 its 16-bit float types (F16, BF16) multiplied as stored.
 
 For each type: the grid read from the file dequantizes bit for bit as the ``gguf`` package does;
@@ -24,13 +24,19 @@ TYPES = list(blocks.TYPES)
 ISAS = {"portable": 4, "avx2": 1, "avx512": 3}
 
 
+# the types the gguf package cannot quantize: (weights a block, bytes a block, fp16 scales a block)
+RANDOM_BLOCKS = {"Q5_K": (256, 176, 2), "IQ4_XS": (256, 136, 1), "IQ4_NL": (32, 18, 1)}
+
+
 def stored(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """A matrix as the file holds it: the gguf quantizer's blocks of random weights, or (Q5_K, which
-    it cannot quantize) random blocks with finite d and dmin."""
+    """A matrix as the file holds it: the gguf quantizer's blocks of random weights, or (for the
+    types it cannot quantize) random blocks with finite leading fp16 scales (d, and Q5_K's dmin)."""
     g = np.random.default_rng(seed)
-    if kind == "Q5_K":
-        raw = g.integers(0, 256, size=(rows, cols // 256, 176), dtype=np.uint8)
-        raw[..., 0:4] = (np.abs(g.standard_normal((rows, cols // 256, 2))) * 1e-3).astype(np.float16).view(np.uint8)
+    if kind in RANDOM_BLOCKS:
+        weights, size, scales = RANDOM_BLOCKS[kind]
+        raw = g.integers(0, 256, size=(rows, cols // weights, size), dtype=np.uint8)
+        d = (g.standard_normal((rows, cols // weights, scales)) * 1e-3).astype(np.float16)  # signed, as IQ4's are
+        raw[..., 0 : 2 * scales] = np.abs(d).view(np.uint8) if kind == "Q5_K" else d.view(np.uint8)
         return raw.reshape(rows, -1)
     w = (g.standard_normal((rows, cols)) * np.linspace(0.01, 0.2, cols)).astype(np.float32)
     raw = quants.quantize(w, GGMLQuantizationType[kind])
@@ -119,7 +125,7 @@ def test_a_wrong_scale_fails_the_comparison(kind):
     assert torch.equal(blocks.BlockLinear(state)(x), ref)
     t = blocks.TYPES[kind]
     code = 512 if t.bits == 8 else 320 if t.bits == 5 else 256
-    at = (64 if t.rule == blocks.KQ else 0) + code  # the first group's first scale of output 0
+    at = {blocks.KQ: 64, blocks.NL: 32}.get(t.rule, 0) + code  # the first group's first scale of output 0
     state["packed"][0, at] ^= 1  # one ulp (or one sub-scale step) off
     assert not torch.equal(blocks.BlockLinear(state)(x), ref)
 
@@ -191,9 +197,15 @@ def test_a_type_without_a_kernel_is_refused_in_one_line(small, monkeypatch):
     from specdec.models import loading, synthetic
     from specdec.runtime.config import UnsupportedModel
 
-    monkeypatch.setitem(synthetic._SCALES, "IQ4_NL", ((0,), 6e-3))  # 32-weight blocks behind an fp16 d
-    path = _one_type_file(small, "IQ4_NL", monkeypatch)
+    monkeypatch.setitem(synthetic._SCALES, "Q3_K", ((108,), 1e-3))  # 256-weight superblocks ending in an fp16 d
+    path = _one_type_file(small, "Q3_K", monkeypatch)
     with pytest.raises(UnsupportedModel) as err:
         loading.load(str(path))
     message = str(err.value)
-    assert "\n" not in message and "IQ4_NL (16 matrices)" in message and "Q8_0" in message and "--dtype" in message
+    assert "\n" not in message and "Q3_K (16 matrices)" in message and "IQ4_XS" in message and "--dtype" in message
+
+
+def test_the_iq4_table_is_llama_cpps():
+    from gguf.quants import IQ4_NL
+
+    assert blocks.IQ4.tolist() == [v + 128 for v in IQ4_NL.kvalues]

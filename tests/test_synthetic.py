@@ -67,7 +67,8 @@ def test_a_written_file_has_the_shapes_and_types_of_its_mix(small):
         assert f.field("llama.block_count") == 3
 
 
-KINDS_OF_MIX = {"q4_k_m": {"q4k", "q6k"}, "q5_k_m": {"Q5_K", "q6k"}, "q8_0": {"Q8_0"}, "q4_0": {"Q4_0", "q6k"}}
+KINDS_OF_MIX = {"q4_k_m": {"q4k", "q6k"}, "q5_k_m": {"Q5_K", "q6k"}, "q8_0": {"Q8_0"}, "q4_0": {"Q4_0", "q6k"},
+                "iq4_xs": {"IQ4_XS", "q6k"}}
 
 
 @needs_kernels

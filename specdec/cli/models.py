@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-DERIVED = ("models", "sha256", "fingerprints", "calibration", "layers", "peers", "synthetic")  # under $SPECDEC_HOME
+DERIVED = ("models", "sha256", "fingerprints", "calibration", "layers", "peers", "synthetic", "costs")  # under $SPECDEC_HOME
 
 
 def cache_size() -> int:

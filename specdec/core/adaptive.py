@@ -114,6 +114,21 @@ class CallCosts:
         ref = seconds[min(seconds)]
         return cls(scale=ref, shape={n: s / ref for n, s in seconds.items()})
 
+    def state(self) -> dict:
+        """What :meth:`from_state` restores: the scale and the shape (JSON-ready)."""
+        return {"scale": self.scale, "shape": {str(n): r for n, r in sorted(self.shape.items())}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "CallCosts":
+        """Costs learned earlier (:meth:`state`); ValueError on anything malformed, so that a
+        damaged file is said and ignored, never trusted."""
+        shape = {int(n): float(r) for n, r in state["shape"].items()}
+        scale = state["scale"]
+        if (not shape or scale is None or float(scale) <= 0 or any(n < 1 or r <= 0 for n, r in shape.items())
+                or shape[min(shape)] != 1.0):
+            raise ValueError(f"malformed call costs: {state!r}")
+        return cls(scale=float(scale), shape=shape)
+
     def observe(self, n: int, seconds: float) -> None:
         """Fold a call that scored ``n`` positions in ``seconds`` into the scale and the shape."""
         if not self.shape:  # the first call: its size is the reference

@@ -45,7 +45,7 @@ SHAPES = {
     "qwen3-0.6b": Shape("qwen3", 151936, 1024, 3072, 28, 16, 8, 128, True, 1000000.0, 40960, qk_norm=True),
     "qwen3-8b": Shape("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, False, 1000000.0, 40960, qk_norm=True),
 }
-MIXES = ("q4_k_m", "q5_k_m", "q8_0", "q4_0")
+MIXES = ("q4_k_m", "q5_k_m", "q8_0", "q4_0", "iq4_xs")
 # Real files of which the registry holds only the start (header + first tensors): the package, its
 # module, the file in it, and the mix the header describes. Their synthetic files keep the header
 # whole (the real tokenizer, chat template and metadata) and fill in the weights (write_like).
@@ -55,9 +55,10 @@ HEADERS = {
 }
 # Each type's fp16 scale fields (byte offsets in its block) and a value giving weights of ~0.01-0.1.
 _SCALES = {"Q4_K": ((0, 2), 1e-4), "Q5_K": ((0, 2), 5e-5), "Q6_K": ((208,), 1e-4), "Q8_0": ((0,), 3e-4),
-           "Q5_0": ((0,), 3e-3), "Q5_1": ((0, 2), 3e-3), "Q4_0": ((0,), 6e-3), "Q4_1": ((0, 2), 6e-3)}
+           "Q5_0": ((0,), 3e-3), "Q5_1": ((0, 2), 3e-3), "Q4_0": ((0,), 6e-3), "Q4_1": ((0, 2), 6e-3),
+           "IQ4_NL": ((0,), 2e-4), "IQ4_XS": ((0,), 2e-5)}
 # llama.cpp's fallback for a K-quant whose rows are not whole 256-weight superblocks
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -78,8 +79,8 @@ def _mix_type(name: str, mix: str, layers: int) -> str:
         return "F32"
     if mix == "q8_0":
         return "Q8_0"
-    if mix == "q4_0":
-        return "Q6_K" if name == "output.weight" else "Q4_0"
+    if mix in ("q4_0", "iq4_xs"):  # (llama.cpp's IQ4_XS also stores attn_v at Q5_K where GQA >= 4: not modelled)
+        return "Q6_K" if name == "output.weight" else mix.upper()
     base = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}[mix]
     if name == "output.weight":
         return "Q6_K"

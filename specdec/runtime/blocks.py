@@ -1,13 +1,18 @@
-"""GGUF's 32-weight block types kept exactly: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q5_K.
+"""GGUF's 32-weight block types kept exactly: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, IQ4_NL, IQ4_XS.
 
-One kernel family (``kernels/blocks.cpp``): a type is a code width (4, 5 or 8 bits) and a scale
-rule, per group of 32 inputs and output:
+One kernel family (``kernels/blocks.cpp``): a type is a code width (4, 5 or 8 bits), a scale
+rule, per group of 32 inputs and output, and for the IQ4 types a table:
 
-- SYM (Q4_0, Q5_0, Q8_0): ``w = d * (u - z)``, ``d`` fp16, ``z`` = 8, 16, 128 (Q8_0's signed
-  codes are kept as ``u = q + 128``);
+- SYM (Q4_0, Q5_0, Q8_0, IQ4_NL): ``w = d * (u - z)``, ``d`` fp16, ``z`` = 8, 16, 128, 128 (Q8_0's
+  signed codes are kept as ``u = q + 128``);
 - AFFINE (Q4_1, Q5_1): ``w = d * u + m``;
 - KQ (Q5_K): ``w = (d * sc) * u - dmin * mn`` with 6-bit ``sc``, ``mn`` per group and ``d``,
-  ``dmin`` per superblock of 8 groups.
+  ``dmin`` per superblock of 8 groups;
+- NL (IQ4_XS): ``w = (d * (sc - 32)) * (u - 128)`` with 6-bit ``sc`` per group and ``d`` per
+  superblock of 8 groups.
+
+The IQ4 types store 4-bit indices into llama.cpp's 16 non-linear values (``kvalues_iq4nl``); the
+grid keeps the indices (``codes``) and the kernel multiplies ``u = value + 128`` (:data:`IQ4`).
 
 :class:`BlockGrid` is a matrix as the file stores it (codes and scales, rows in transformers'
 order); :meth:`BlockGrid.dequantize` repeats the ``gguf`` package's operations, so the weights the
@@ -28,7 +33,9 @@ from specdec.runtime import native
 from specdec.runtime.q4 import PackedLinear
 
 TILE, GROUP, SUPER = 16, 32, 8  # outputs per tile; inputs per group; groups per Q5_K superblock
-SYM, AFFINE, KQ = "sym", "affine", "kq"
+SYM, AFFINE, KQ, NL = "sym", "affine", "kq", "nl"
+# IQ4_NL's and IQ4_XS's values (llama.cpp's kvalues_iq4nl) + 128: what an index's weight code is
+IQ4 = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,7 @@ class BlockType:
     zero: int
     block_bytes: int  # one block in the file
     block_groups: int  # groups of 32 in one block
+    lut: bool = False  # codes are indices into IQ4
 
 
 TYPES = {
@@ -48,14 +56,16 @@ TYPES = {
     "Q5_1": BlockType(3, 5, AFFINE, 0, 24, 1),
     "Q8_0": BlockType(4, 8, SYM, 128, 34, 1),
     "Q5_K": BlockType(5, 5, KQ, 0, 176, 8),
+    "IQ4_NL": BlockType(6, 4, SYM, 128, 18, 1, lut=True),
+    "IQ4_XS": BlockType(7, 4, NL, 128, 136, 8, lut=True),
 }
 
 
 @dataclass
 class BlockGrid:
-    """Rows of a weight as a block type stores them: ``codes`` ``[N, K]`` uint8; ``d`` fp16
-    ``[N, G]`` (``[N, K/256]`` for KQ); AFFINE ``m`` ``[N, G]`` fp16; KQ ``sc``, ``mn`` ``[N, G]``
-    uint8 and ``dmin`` ``[N, K/256]`` fp16."""
+    """Rows of a weight as a block type stores them: ``codes`` ``[N, K]`` uint8 (the IQ4 types'
+    indices); ``d`` fp16 ``[N, G]`` (``[N, K/256]`` for KQ and NL); AFFINE ``m`` ``[N, G]`` fp16;
+    KQ and NL ``sc`` ``[N, G]`` uint8; KQ ``mn`` ``[N, G]`` uint8 and ``dmin`` ``[N, K/256]`` fp16."""
 
     type: str
     codes: torch.Tensor
@@ -69,19 +79,29 @@ class BlockGrid:
         return self.codes.shape[0]
 
     def step_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """KQ's per-group ``(d * sc, dmin * mn)`` ``[N, G]`` fp32 (both exact products)."""
+        """KQ's per-group ``(d * sc, dmin * mn)``, NL's ``(d * (sc - 32), 0)`` ``[N, G]`` fp32
+        (exact products)."""
         rep = lambda t: t.float().repeat_interleave(SUPER, 1)  # noqa: E731
+        if TYPES[self.type].rule == NL:
+            step = rep(self.d) * (self.sc.float() - 32)
+            return step, torch.zeros_like(step)
         return rep(self.d) * self.sc.float(), rep(self.dmin) * self.mn.float()
+
+    def values(self) -> torch.Tensor:
+        """``[N, K]`` int64: the codes the kernel multiplies (an IQ4 index's value + 128)."""
+        return IQ4[self.codes.long()] if TYPES[self.type].lut else self.codes.long()
 
     def dequantize(self) -> torch.Tensor:
         """``[N, K]`` fp32 in the ``gguf`` package's operations."""
         t = TYPES[self.type]
         n, k = self.codes.shape
-        u = self.codes.view(n, k // GROUP, GROUP)
+        u = self.values().view(n, k // GROUP, GROUP)
         if t.rule == SYM:
             w = self.d.float().unsqueeze(-1) * (u.int() - t.zero).float()
         elif t.rule == AFFINE:
             w = self.d.float().unsqueeze(-1) * u.float() + self.m.float().unsqueeze(-1)
+        elif t.rule == NL:
+            w = self.step_offset()[0].unsqueeze(-1) * (u.int() - t.zero).float()
         else:
             step, offset = self.step_offset()
             w = step.unsqueeze(-1) * u.float() - offset.unsqueeze(-1)
@@ -99,6 +119,8 @@ def decode_blocks(raw: np.ndarray, type_name: str) -> BlockGrid:
     b = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(n, -1, t.block_bytes)  # [N, B, bytes]
     if t.rule == KQ:
         return _decode_q5k(b)
+    if t.rule == NL:
+        return _decode_iq4xs(b)
     at = 4 if t.rule == AFFINE else 2
     d = _fp16(b[..., 0:2])
     m = _fp16(b[..., 2:4]) if t.rule == AFFINE else None
@@ -135,13 +157,30 @@ def _decode_q5k(b: torch.Tensor) -> BlockGrid:
                      dmin=_fp16(b[..., 2:4]))
 
 
+def _decode_iq4xs(b: torch.Tensor) -> BlockGrid:
+    """d fp16, scales_h u16 (2 bits a group), scales_l [4] (4 bits a group), qs [128] (16 a group)."""
+    n, nb = b.shape[:2]
+    groups = torch.arange(8)
+    low = (b[..., 4 + groups // 2] >> (4 * (groups % 2)).to(torch.uint8)) & 0x0F  # [N, B, 8]
+    high = ((b[..., 2].int() | (b[..., 3].int() << 8)).unsqueeze(-1) >> (2 * groups)) & 3
+    sc = (low.int() | (high << 4)).to(torch.uint8)
+    qs = b[..., 8:136].reshape(n, nb, 8, 16)
+    codes = torch.cat([qs & 0x0F, qs >> 4], -1)  # [N, B, 8, 32]: weight l < 16 low, 16 + l high
+    return BlockGrid("IQ4_XS", codes.reshape(n, -1).contiguous(), _fp16(b[..., 0:2]), sc=sc.reshape(n, -1))
+
+
+def _chunk_header(t: BlockType) -> tuple[int, int, int]:
+    """Bytes of a tile chunk's codes, of a whole chunk, and of a superblock's header."""
+    code = 512 if t.bits == 8 else 320 if t.bits == 5 else 256
+    chunk = code + (64 if t.rule == AFFINE else 16 if t.rule == NL else 32)
+    return code, chunk, 64 if t.rule == KQ else 32 if t.rule == NL else 0
+
+
 def tile_bytes(type_name: str, in_features: int) -> int:
     """Bytes of one tile of 16 outputs in the kernel's layout (see ``kernels/blocks.cpp``)."""
-    t = TYPES[type_name]
-    code = 512 if t.bits == 8 else 320 if t.bits == 5 else 256
-    chunk = code + (64 if t.rule == AFFINE else 32)
+    _, chunk, header = _chunk_header(TYPES[type_name])
     g = in_features // GROUP
-    return g * chunk + (g // SUPER * 64 if t.rule == KQ else 0)
+    return g * chunk + g // SUPER * header
 
 
 def _padded(grid: BlockGrid) -> BlockGrid:
@@ -174,15 +213,18 @@ def pack(grid: BlockGrid) -> torch.Tensor:
             parts.append(hb.permute(0, 2, 1, 3).reshape(nt, groups, 64))
     if t.rule == KQ:
         parts += [tile_first(g.sc).contiguous(), tile_first(g.mn).contiguous()]
+    elif t.rule == NL:
+        parts.append(tile_first(g.sc).contiguous())
     else:
         parts.append(tile_first(g.d).contiguous().view(torch.uint8).reshape(nt, groups, 32))
         if t.rule == AFFINE:
             parts.append(tile_first(g.m).contiguous().view(torch.uint8).reshape(nt, groups, 32))
     chunks = torch.cat(parts, -1)  # [NT, G, chunk]
-    if t.rule == KQ:
+    if t.rule in (KQ, NL):
         s = groups // SUPER
-        head = torch.cat([x.view(nt, TILE, s).transpose(1, 2).contiguous().view(torch.uint8) for x in (g.d, g.dmin)], -1)
-        chunks = torch.cat([head, chunks.reshape(nt, s, -1)], -1)  # [NT, S, 64 + 8 chunks]
+        scales = (g.d, g.dmin) if t.rule == KQ else (g.d,)
+        head = torch.cat([x.view(nt, TILE, s).transpose(1, 2).contiguous().view(torch.uint8) for x in scales], -1)
+        chunks = torch.cat([head, chunks.reshape(nt, s, -1)], -1)  # [NT, S, header + 8 chunks]
     return chunks.reshape(nt, -1).contiguous()
 
 
@@ -192,13 +234,12 @@ def unpack(state: dict[str, torch.Tensor]) -> BlockGrid:
     name = next(n for n, t in TYPES.items() if t.id == int(state["type"]))
     t, packed, k = TYPES[name], state["packed"], int(state["in_features"])
     nt, groups = packed.shape[0], k // GROUP
-    code = 512 if t.bits == 8 else 320 if t.bits == 5 else 256
-    chunk = code + (64 if t.rule == AFFINE else 32)
+    code, chunk, header = _chunk_header(t)
     rows_first = lambda x: x.permute(0, 2, 1).reshape(nt * TILE, -1)  # noqa: E731  [NT, G, 16] -> [N16, G]
     head = None
-    if t.rule == KQ:
+    if header:
         p = packed.view(nt, groups // SUPER, -1)
-        head, chunks = p[..., :64].contiguous(), p[..., 64:].reshape(nt, groups, chunk)
+        head, chunks = p[..., :header].contiguous(), p[..., header:].reshape(nt, groups, chunk)
     else:
         chunks = packed.view(nt, groups, chunk)
     if t.bits == 8:
@@ -213,8 +254,10 @@ def unpack(state: dict[str, torch.Tensor]) -> BlockGrid:
         c = c.permute(0, 4, 1, 2, 3, 5)  # [NT, o, G, half, r, t]
     codes = c.reshape(nt * TILE, k).contiguous()
     scales = chunks[..., code:].contiguous()
+    fp16 = lambda x: x.contiguous().view(torch.float16).permute(0, 2, 1).reshape(nt * TILE, -1)  # noqa: E731
+    if t.rule == NL:
+        return BlockGrid(name, codes, fp16(head), sc=rows_first(scales))
     if t.rule == KQ:
-        fp16 = lambda x: x.contiguous().view(torch.float16).permute(0, 2, 1).reshape(nt * TILE, -1)  # noqa: E731
         return BlockGrid(name, codes, fp16(head[..., :32]), sc=rows_first(scales[..., :16]),
                          mn=rows_first(scales[..., 16:32]), dmin=fp16(head[..., 32:]))
     d = rows_first(scales[..., :32].view(torch.float16))
@@ -239,10 +282,12 @@ def reference_linear(x: torch.Tensor, grid: BlockGrid, bias: torch.Tensor | None
     t = TYPES[grid.type]
     xq, xd, xs = quantize_activations(x)  # [M, G, 32], [M, G], [M, G]
     n, k = grid.codes.shape
-    idot = torch.einsum("mgj,ngj->mng", xq.long(), grid.codes.long().view(n, k // GROUP, GROUP))  # [M, N, G] exact
+    idot = torch.einsum("mgj,ngj->mng", xq.long(), grid.values().view(n, k // GROUP, GROUP))  # [M, N, G] exact
     xs3 = xs.unsqueeze(1)  # [M, 1, G]
     if t.rule == SYM:
         tg = grid.d.float() * (idot - t.zero * xs3).float()
+    elif t.rule == NL:
+        tg = grid.step_offset()[0] * (idot - t.zero * xs3).float()
     elif t.rule == AFFINE:
         tg = grid.d.float() * idot.float() + grid.m.float() * xs3.float()
     else:

@@ -162,7 +162,7 @@ class Scheduler:
 
     def run(self, until=lambda: False) -> None:
         """The engine loop, until :meth:`stop` or ``until()``; then every request still running
-        or waiting gets a "cancelled" end."""
+        or waiting gets a "cancelled" end, and the learned call costs are kept."""
         try:
             while not self._stopping and not until():
                 self._take_inbox()
@@ -179,6 +179,7 @@ class Scheduler:
         finally:
             for job in list(self._jobs.values()) + list(self._inbox) + self._take_held():
                 self._emit(job, {"finish_reason": "cancelled", "text": ""})
+            self.gen.keep_costs()  # what the target's calls cost, for the next server or command
 
     def _recover(self, exc: Exception) -> None:
         """An engine step raised: its state is not to be trusted. Every request in flight gets

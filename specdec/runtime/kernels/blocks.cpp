@@ -1,23 +1,28 @@
 // GGUF's 32-weight block types x int8 activations, exactly as the file stores them, batch invariant:
-// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q5_K (whose superblocks are 8 groups of 32 with integer
-// sub-scales). One kernel family: a type is a code width (4, 5 or 8 bits) and a scale rule.
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and Q5_K and IQ4_XS (whose superblocks are 8 groups of 32
+// with integer sub-scales). One kernel family: a type is a code width (4, 5 or 8 bits), a scale
+// rule, and for the IQ4 types a table of 16 values the 4-bit codes index.
 //
 // Weights, per group of 32 inputs and output n, with codes u:
 //   SYM    (Q4_0, Q5_0, Q8_0): w = d * (u - z)                    d fp16; z = 8, 16, 128
 //   AFFINE (Q4_1, Q5_1):       w = d * u + m                      d, m fp16
 //   KQ     (Q5_K):             w = (d * sc) * u - dmin * mn       sc, mn 6-bit per group; d, dmin
 //                                                                 fp16 per superblock of 8 groups
-// (Q8_0's signed codes are stored as u = q + 128, so every code is an unsigned byte.)
+//   NL     (IQ4_XS):           w = (d * (ls - 32)) * (u - 128)    ls 6-bit per group; d fp16 per
+//                                                                 superblock of 8 groups
+// (Q8_0's signed codes are stored as u = q + 128, so every code is an unsigned byte; IQ4_NL (SYM,
+// z = 128) and IQ4_XS keep 4-bit indices i, and the kernels multiply u = kIQ4[i] = value + 128.)
 //
 // Layout, per tile of 16 outputs: its groups in order, one contiguous chunk each; a KQ tile has a
-// 64-byte header (d [16] fp16, dmin [16] fp16) before each superblock's 8 chunks. A chunk:
+// 64-byte header (d [16] fp16, dmin [16] fp16) before each superblock's 8 chunks, an NL tile a
+// 32-byte one (d [16] fp16). A chunk:
 //   codes: 4 and 5 bits: 256 bytes, byte 64r + 4o + t (r, t = 0..3) holds input 4r + t of output o
 //          in its low nibble and input 16 + 4r + t in its high nibble (the q4 kernels' layout);
 //          8 bits: 512 bytes, byte 64r + 4o + t (r = 0..7) holds input 4r + t;
 //   5 bits: + 64 bytes of top bits, byte 4o + t: bit r = input 4r + t's, bit 4 + r = input 16 + 4r + t's;
-//   scales: SYM d [16] fp16; AFFINE d [16], m [16] fp16; KQ sc [16], mn [16] uint8.
-// Each type takes exactly its file's bytes per weight, but Q5_K (5.625 bits against 5.5: its
-// 6-bit sub-scales are kept a byte each).
+//   scales: SYM d [16] fp16; AFFINE d [16], m [16] fp16; KQ sc [16], mn [16] uint8; NL ls [16] uint8.
+// Each type takes exactly its file's bytes per weight, but Q5_K (5.625 bits against 5.5) and IQ4_XS
+// (4.3125 against 4.25): their 6-bit sub-scales are kept a byte each.
 //
 // Activations: each row, each group of 32 quantized on its own: xd = max|x| / 127, xq =
 // round-half-even(x * (xd > 0 ? 1 / xd : 0)) clamped to -127..127, xs = sum(xq) (int32).
@@ -26,6 +31,7 @@
 //   SYM    t = d * float(idot - z * xs)
 //   AFFINE t = d * float(idot) + m * float(xs)
 //   KQ     t = (d * float(sc)) * float(idot) - (dmin * float(mn)) * float(xs)
+//   NL     t = (d * float(ls - 32)) * float(idot - 128 * xs)
 //   acc = acc + xd * t;   y = acc (+ bias).
 // Every output element is that fixed sequence whatever the rows, threads or instruction set
 // (threads split tiles, never K): equal to the pure-torch reference in specdec/runtime/blocks.py.
@@ -46,25 +52,32 @@
 
 namespace {
 
-constexpr int64_t kTile = 16, kGroup = 32, kSuper = 8, kHeader = 64;
-enum Rule { SYM, AFFINE, KQ };
-enum Type { T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q5_K, T_COUNT };
+constexpr int64_t kTile = 16, kGroup = 32, kSuper = 8;
+enum Rule { SYM, AFFINE, KQ, NL };
+enum Type { T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q5_K, T_IQ4_NL, T_IQ4_XS, T_COUNT };
 
 template <int T> struct Traits;
-template <> struct Traits<T_Q4_0> { static constexpr int bits = 4, rule = SYM, zero = 8, block = 18; };
-template <> struct Traits<T_Q4_1> { static constexpr int bits = 4, rule = AFFINE, zero = 0, block = 20; };
-template <> struct Traits<T_Q5_0> { static constexpr int bits = 5, rule = SYM, zero = 16, block = 22; };
-template <> struct Traits<T_Q5_1> { static constexpr int bits = 5, rule = AFFINE, zero = 0, block = 24; };
-template <> struct Traits<T_Q8_0> { static constexpr int bits = 8, rule = SYM, zero = 128, block = 34; };
-template <> struct Traits<T_Q5_K> { static constexpr int bits = 5, rule = KQ, zero = 0, block = 176; };
+template <> struct Traits<T_Q4_0> { static constexpr int bits = 4, rule = SYM, zero = 8, block = 18, lut = 0; };
+template <> struct Traits<T_Q4_1> { static constexpr int bits = 4, rule = AFFINE, zero = 0, block = 20, lut = 0; };
+template <> struct Traits<T_Q5_0> { static constexpr int bits = 5, rule = SYM, zero = 16, block = 22, lut = 0; };
+template <> struct Traits<T_Q5_1> { static constexpr int bits = 5, rule = AFFINE, zero = 0, block = 24, lut = 0; };
+template <> struct Traits<T_Q8_0> { static constexpr int bits = 8, rule = SYM, zero = 128, block = 34, lut = 0; };
+template <> struct Traits<T_Q5_K> { static constexpr int bits = 5, rule = KQ, zero = 0, block = 176, lut = 0; };
+template <> struct Traits<T_IQ4_NL> { static constexpr int bits = 4, rule = SYM, zero = 128, block = 18, lut = 1; };
+template <> struct Traits<T_IQ4_XS> { static constexpr int bits = 4, rule = NL, zero = 128, block = 136, lut = 1; };
 
+// IQ4_NL's and IQ4_XS's 16 values (llama.cpp's kvalues_iq4nl) + 128: the unsigned codes multiplied.
+alignas(16) constexpr uint8_t kIQ4[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+constexpr bool super_rule(int rule) { return rule == KQ || rule == NL; }  // scales per superblock of 8 groups
+constexpr int64_t header_bytes(int rule) { return rule == KQ ? 64 : rule == NL ? 32 : 0; }
 constexpr int64_t code_bytes(int bits) { return bits == 8 ? 512 : bits == 5 ? 256 + 64 : 256; }
-constexpr int64_t chunk_bytes(int bits, int rule) { return code_bytes(bits) + (rule == AFFINE ? 64 : 32); }
+constexpr int64_t chunk_bytes(int bits, int rule) { return code_bytes(bits) + (rule == AFFINE ? 64 : rule == NL ? 16 : 32); }
 
 template <int T>
 constexpr int64_t tile_bytes(int64_t G) {
   using X = Traits<T>;
-  return G * chunk_bytes(X::bits, X::rule) + (X::rule == KQ ? (G / kSuper) * kHeader : 0);
+  return G * chunk_bytes(X::bits, X::rule) + (G / kSuper) * header_bytes(X::rule);
 }
 
 int64_t g_prefetch = 2048;  // bytes ahead of the chunk being read
@@ -151,6 +164,7 @@ inline int32_t code_at(const uint8_t* chunk, int64_t o, int64_t l) {
   const uint8_t b = chunk[64 * r + 4 * o + t];
   int32_t c = half ? b >> 4 : b & 0x0F;
   if constexpr (X::bits == 5) c |= ((chunk[256 + 4 * o + t] >> (4 * half + r)) & 1) << 4;
+  if constexpr (X::lut) c = kIQ4[c];
   return c;
 }
 
@@ -166,10 +180,10 @@ void tiles_portable(int64_t t0, int64_t t1, int64_t M, int64_t G, int64_t N, con
         float acc = 0.0f, d = 0.0f, dmin = 0.0f;
         const uint8_t* p = P + tile * TB;
         for (int64_t g = 0; g < G; ++g) {
-          if (X::rule == KQ && g % kSuper == 0) {
+          if (super_rule(X::rule) && g % kSuper == 0) {
             d = _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[o]);
-            dmin = _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[kTile + o]);
-            p += kHeader;
+            if (X::rule == KQ) dmin = _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[kTile + o]);
+            p += header_bytes(X::rule);
           }
           const int8_t* xq = XQ + m * K + g * kGroup;
           int32_t idot = 0;
@@ -181,6 +195,8 @@ void tiles_portable(int64_t t0, int64_t t1, int64_t M, int64_t G, int64_t N, con
             t = _cvtsh_ss(h[o]) * static_cast<float>(idot - X::zero * xs);
           } else if constexpr (X::rule == AFFINE) {
             t = _cvtsh_ss(h[o]) * static_cast<float>(idot) + _cvtsh_ss(h[kTile + o]) * static_cast<float>(xs);
+          } else if constexpr (X::rule == NL) {
+            t = (d * static_cast<float>(static_cast<int32_t>(p[CB + o]) - 32)) * static_cast<float>(idot - X::zero * xs);
           } else {
             const float a = d * static_cast<float>(p[CB + o]), b = dmin * static_cast<float>(p[CB + kTile + o]);
             t = a * static_cast<float>(idot) - b * static_cast<float>(xs);
@@ -219,6 +235,10 @@ static inline void codes512(const uint8_t* chunk, __m512i wv[8]) {
         wv[2 * r + 1] = _mm512_or_si512(wv[2 * r + 1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4 + r), one), 4));
       }
     }
+    if constexpr (X::lut) {  // index -> value + 128, one byte shuffle per register
+      const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4)));
+      for (int r = 0; r < 8; ++r) wv[r] = _mm512_shuffle_epi8(table, wv[r]);
+    }
   }
 }
 
@@ -241,10 +261,10 @@ static void rows512(const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, co
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    if (X::rule == KQ && g % kSuper == 0) {
+    if (super_rule(X::rule) && g % kSuper == 0) {
       d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
-      p += kHeader;
+      if (X::rule == KQ) dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+      p += header_bytes(X::rule);
     }
     for (int64_t line = 0; line < CH; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + g_prefetch + line, _MM_HINT_T0);
     __m512i wv[8];
@@ -253,6 +273,9 @@ static void rows512(const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, co
     if constexpr (X::rule == KQ) {
       s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + CB)))));
       s1 = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + CB + 16)))));
+    } else if constexpr (X::rule == NL) {
+      const __m512i ls = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + CB)));
+      s0 = s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
     } else {
       s0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + CB)));
       s1 = X::rule == AFFINE ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + CB + 32))) : s0;
@@ -262,7 +285,7 @@ static void rows512(const uint8_t* p, int64_t G, int64_t K, const int8_t* XQ, co
       const __m512i idot = dots512(wv, reinterpret_cast<const int32_t*>(XQ + i * K + g * kGroup));
       const int32_t xs = XS[i * G + g];
       __m512 t;
-      if constexpr (X::rule == SYM) {
+      if constexpr (X::rule == SYM || X::rule == NL) {
         t = _mm512_mul_ps(s0, _mm512_cvtepi32_ps(_mm512_sub_epi32(idot, _mm512_set1_epi32(X::zero * xs))));
       } else {
         const __m512 a = _mm512_mul_ps(s0, _mm512_cvtepi32_ps(idot));
@@ -307,7 +330,8 @@ void tiles_avx512(int64_t t0, int64_t t1, int64_t M, int64_t G, int64_t N, const
 // ---------------------------------------------------------------- AVX2
 // Per half tile (8 outputs). vpmaddubsw sums two u8 x s8 products into int16 with saturation:
 // 4- and 5-bit codes (<= 31) keep any four such sums below 2^15 (4 * 2 * 31 * 127 = 31496);
-// 8-bit codes are split into nibbles, dot = dot(low) + 16 * dot(high), each exact the same way.
+// 8-bit codes (and the IQ4 types' looked-up values) are split into nibbles, dot = dot(low) + 16 *
+// dot(high), each exact the same way.
 template <int T>
 static inline void codes256(const uint8_t* chunk, int64_t h, __m256i wv[8]) {
   using X = Traits<T>;
@@ -331,6 +355,10 @@ static inline void codes256(const uint8_t* chunk, int64_t h, __m256i wv[8]) {
         wv[2 * r + 1] = _mm256_or_si256(wv[2 * r + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 + r), one), 4));
       }
     }
+    if constexpr (X::lut) {
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4)));
+      for (int r = 0; r < 8; ++r) wv[r] = _mm256_shuffle_epi8(table, wv[r]);
+    }
   }
 }
 
@@ -347,7 +375,7 @@ static inline __m256i dots256_small(const __m256i wv[8], const int32_t* x4) {
 
 template <int T>
 static inline __m256i dots256(const __m256i wv[8], const int32_t* x4) {
-  if constexpr (Traits<T>::bits == 8) {
+  if constexpr (Traits<T>::bits == 8 || Traits<T>::lut) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256i lo[8], hi[8];
     for (int r = 0; r < 8; ++r) {
@@ -371,10 +399,10 @@ static void rows256(const uint8_t* p, int64_t G, int64_t K, int64_t h, const int
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    if (X::rule == KQ && g % kSuper == 0) {
+    if (super_rule(X::rule) && g % kSuper == 0) {
       d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
-      dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
-      p += kHeader;
+      if (X::rule == KQ) dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
+      p += header_bytes(X::rule);
     }
     _mm_prefetch(reinterpret_cast<const char*>(p) + g_prefetch, _MM_HINT_T0);
     __m256i wv[8];
@@ -383,6 +411,9 @@ static void rows256(const uint8_t* p, int64_t G, int64_t K, int64_t h, const int
     if constexpr (X::rule == KQ) {
       s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + CB + 8 * h)))));
       s1 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + CB + 16 + 8 * h)))));
+    } else if constexpr (X::rule == NL) {
+      const __m256i ls = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + CB + 8 * h)));
+      s0 = s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
     } else {
       s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + CB + 16 * h)));
       s1 = X::rule == AFFINE ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + CB + 32 + 16 * h))) : s0;
@@ -391,7 +422,7 @@ static void rows256(const uint8_t* p, int64_t G, int64_t K, int64_t h, const int
       const __m256i idot = dots256<T>(wv, reinterpret_cast<const int32_t*>(XQ + i * K + g * kGroup));
       const int32_t xs = XS[i * G + g];
       __m256 t;
-      if constexpr (X::rule == SYM) {
+      if constexpr (X::rule == SYM || X::rule == NL) {
         t = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_sub_epi32(idot, _mm256_set1_epi32(X::zero * xs))));
       } else {
         const __m256 a = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(idot));
@@ -437,7 +468,7 @@ torch::Tensor linear_t(const torch::Tensor& x_in, const torch::Tensor& packed, c
   TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == torch::kFloat && x_in.is_contiguous(), "x must be [..., K] contiguous fp32");
   auto x = x_in.view({-1, x_in.size(-1)});
   const int64_t M = x.size(0), K = x.size(1), NT = packed.size(0), N = NT * kTile, G = K / kGroup;
-  TORCH_CHECK(K % (Traits<T>::rule == KQ ? kGroup * kSuper : kGroup) == 0, "in_features ", K, " is not whole blocks");
+  TORCH_CHECK(K % (super_rule(Traits<T>::rule) ? kGroup * kSuper : kGroup) == 0, "in_features ", K, " is not whole blocks");
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 2 &&
               packed.size(1) == tile_bytes<T>(G), "packed must be [N/16, tile bytes] contiguous uint8");
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.scalar_type() == torch::kFloat), "bias must be [N/16*16] fp32");
@@ -478,6 +509,12 @@ inline void group_codes(const uint8_t* b, int64_t j, uint8_t c[32]) {
   } else if constexpr (T == T_Q5_K) {  // d, dmin, 12 bytes of scales, qh [32], qs [128]
     const uint8_t* qs = b + 48 + (j / 2) * 32;
     for (int l = 0; l < 32; ++l) c[l] = ((qs[l] >> (4 * (j % 2))) & 0x0F) | (((b[16 + l] >> j) & 1) << 4);
+  } else if constexpr (T == T_IQ4_XS) {  // d, scales_h u16, scales_l [4], qs [128]: group j's in qs[16j..]
+    const uint8_t* qs = b + 8 + 16 * j;
+    for (int l = 0; l < 16; ++l) {
+      c[l] = qs[l] & 0x0F;
+      c[16 + l] = qs[l] >> 4;
+    }
   } else {  // d [, m] [, qh u32], qs [16]: weight l < 16 in qs[l]'s low nibble, 16 + l in its high
     const int64_t at = X::rule == AFFINE ? 4 : 2;
     const uint8_t* qs = b + at + (X::bits == 5 ? 4 : 0);
@@ -518,6 +555,9 @@ void place(const uint8_t* b, int64_t j, int64_t o, uint8_t* chunk) {
   }
   if constexpr (X::rule == KQ) {
     k_scale_min(b + 4, static_cast<int>(j), chunk + CB + o, chunk + CB + kTile + o);
+  } else if constexpr (X::rule == NL) {  // the 6-bit sub-scale: 4 low bits in scales_l, 2 high in scales_h
+    const uint16_t high = static_cast<uint16_t>(b[2] | (b[3] << 8));
+    chunk[CB + o] = static_cast<uint8_t>(((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4));
   } else {
     std::memcpy(chunk + CB + 2 * o, b, 2);
     if constexpr (X::rule == AFFINE) std::memcpy(chunk + CB + 32 + 2 * o, b + 2, 2);
@@ -528,7 +568,7 @@ template <int T>
 void repack_t(const torch::Tensor& src, const torch::Tensor& rows, torch::Tensor& out, int64_t tile0) {
   using X = Traits<T>;
   constexpr int64_t CH = chunk_bytes(X::bits, X::rule);
-  constexpr int64_t per_block = X::rule == KQ ? kSuper : 1;  // groups in one file block
+  constexpr int64_t per_block = super_rule(X::rule) ? kSuper : 1;  // groups in one file block
   TORCH_CHECK(src.dtype() == torch::kUInt8 && src.dim() == 2 && src.is_contiguous(), "src: contiguous uint8 [R, row bytes]");
   TORCH_CHECK(out.dtype() == torch::kUInt8 && out.dim() == 2 && out.is_contiguous(), "out: contiguous uint8 [tiles, bytes]");
   TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1, "rows: int64 [n]");
@@ -550,10 +590,10 @@ void repack_t(const torch::Tensor& src, const torch::Tensor& rows, torch::Tensor
         uint8_t* p = tile;
         for (int64_t g = 0; g < G; ++g) {
           const uint8_t* b = row + (g / per_block) * X::block;
-          if (X::rule == KQ && g % kSuper == 0) {
+          if (super_rule(X::rule) && g % kSuper == 0) {
             std::memcpy(p + 2 * o, b, 2);
-            std::memcpy(p + 32 + 2 * o, b + 2, 2);
-            p += kHeader;
+            if (X::rule == KQ) std::memcpy(p + 32 + 2 * o, b + 2, 2);
+            p += header_bytes(X::rule);
           }
           place<T>(b, g % per_block, o, p);
           p += CH;
@@ -572,6 +612,8 @@ auto by_type(int64_t type, A&&... a) {
     case T_Q5_0: return F<T_Q5_0>::run(a...);
     case T_Q5_1: return F<T_Q5_1>::run(a...);
     case T_Q8_0: return F<T_Q8_0>::run(a...);
+    case T_IQ4_NL: return F<T_IQ4_NL>::run(a...);
+    case T_IQ4_XS: return F<T_IQ4_XS>::run(a...);
     default: return F<T_Q5_K>::run(a...);
   }
 }

@@ -25,13 +25,12 @@ def chunk_groups(starts: list[int], lengths: list[int], limit: int) -> list[tupl
     block, written at its ``starts`` slot, stays within ``limit`` slots."""
     groups, a = [], 0
     while a < len(lengths):
-        b, tokens, width = a + 1, lengths[a], lengths[a]
+        b, tokens, width, start = a + 1, lengths[a], lengths[a], starts[a]
         while b < len(lengths):
-            wider = max(width, lengths[b])
-            fits = max(starts[a : b + 1]) + wider <= limit
-            if not fits or (b + 1 - a) * wider > PADDING_WASTE * (tokens + lengths[b]):
+            wider, later = max(width, lengths[b]), max(start, starts[b])  # running maxima: linear
+            if later + wider > limit or (b + 1 - a) * wider > PADDING_WASTE * (tokens + lengths[b]):
                 break
-            tokens, width, b = tokens + lengths[b], wider, b + 1
+            tokens, width, start, b = tokens + lengths[b], wider, later, b + 1
         groups.append((a, b))
         a = b
     return groups

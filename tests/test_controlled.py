@@ -46,3 +46,19 @@ def test_the_formula_is_the_chain_formula():
     v = {m: 1.0 for m in range(1, 10)}
     assert predicted_speedup(0.0, 3, 0.0, v) == pytest.approx(1.0)  # one token a step at a plain step's cost
     assert predicted_speedup(0.8, 4, 0.1, {**v, 5: 1.2}) == pytest.approx((1 - 0.8 ** 5) / 0.2 / (0.4 + 1.2))
+
+
+def test_the_kept_run_starts_from_what_the_cold_run_learned():
+    """``auto-kept`` is a second one-shot process: it reads the cold run's costs through the JSON
+    form kept on disk, not the process's shared ones (nor the same object, which it would change)."""
+    from specdec.bench.controlled import COLD, KEPT, _costs_for
+    from specdec.core.adaptive import CallCosts
+
+    shared = CallCosts()
+    cold = _costs_for(COLD, shared, None)
+    assert cold is not shared and not cold.shape
+    for n, seconds in ((1, 0.05), (5, 0.06), (1, 0.052)):
+        cold.observe(n, seconds)
+    kept = _costs_for(KEPT, shared, cold)
+    assert kept is not cold and kept.state() == cold.state()
+    assert _costs_for(3, shared, None) is shared and _costs_for("auto", shared, None) is shared

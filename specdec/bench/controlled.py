@@ -13,10 +13,12 @@ For a target and draft, one process measures: the draft's cost ratio ``c`` (one 
 against one target forward), ``v(n)`` (a forward of ``n`` = 2..9 tokens against one), plain
 TPOT, and at each ``a`` the speculative time for k = 1..8 fixed and for adaptive k (once per seed
 of :data:`SEEDS`; the report takes medians), beside
-the chain formula's prediction ``(1 - a^(k+1)) / ((1 - a)(k c + v(k+1)))``. Adaptive k runs twice:
-with the target's call costs that the process's earlier runs measured (one
-:class:`~specdec.core.adaptive.CallCosts`, as one API object or server keeps it) and cold, in
-an engine that measures them from nothing (a one-shot ``specdec generate``). llama.cpp runs the
+the chain formula's prediction ``(1 - a^(k+1)) / ((1 - a)(k c + v(k+1)))``. Adaptive k runs three
+times: with the target's call costs that the process's earlier runs measured (one
+:class:`~specdec.core.adaptive.CallCosts`, as one API object or server keeps it); cold, in an
+engine that measures them from nothing (a first one-shot ``specdec generate``); and kept, from
+what that cold run learned (a second ``specdec generate``, which reads the first one's costs,
+:mod:`specdec.models.costs`). llama.cpp runs the
 target (and the draft, for its ``c``) in a process of its own: its plain TPOT, its ``v(n)`` and
 what the same formula predicts for it. Rows go to ``speculate.jsonl`` (resumable by case) and
 the table to ``speculate.md``. A bench method only: never a user's proposer.
@@ -43,6 +45,7 @@ K_RANGE = tuple(range(1, 9))
 SEEDS = 3  # each (a, k) runs once per seed; the report takes medians
 SIZES = tuple(range(1, 10))
 COLD = "auto-cold"  # adaptive k in an engine of its own: the call costs measured from nothing
+KEPT = "auto-kept"  # adaptive k starting from what the cold run kept (a second one-shot process)
 
 
 @dataclass
@@ -192,6 +195,17 @@ def _memory(spec: dict) -> dict:
     return {"peak_rss_gb": peak_rss() / 1e9, "files_gb": files / 1e9}
 
 
+def _costs_for(k, shared: CallCosts, cold: CallCosts | None) -> CallCosts:
+    """The call costs a run of ``k`` starts from: the process's shared ones, fresh ones for
+    :data:`COLD`, and for :data:`KEPT` what the cold run before it learned, through the JSON form
+    :mod:`specdec.models.costs` keeps between processes (as a second ``specdec generate`` reads them)."""
+    if k == COLD:
+        return CallCosts()
+    if k == KEPT:
+        return CallCosts.from_state(json.loads(json.dumps(cold.state())))
+    return shared
+
+
 def _measure_specdec(spec: dict) -> dict:
     """Costs, plain decoding and the controlled runs of one target and draft, in this process:
     every (a, k) once per seed of :data:`SEEDS`. The draft is the view users get
@@ -212,14 +226,14 @@ def _measure_specdec(spec: dict) -> dict:
         c = forward_scaling(draft, sizes=(1,))[1] / forward[1]
         plain = [_timed(lambda: generate(target, [ids], greedy, n, call_costs=costs))[0] for _ in range(2)]
         reference = generate(target, [ids], greedy, n)[0].token_ids
-        runs = []
+        runs, learned = [], costs
         for seed in range(SEEDS):
             for a in spec["acceptances"]:
-                for k in (K_RANGE if a >= 0.5 else (1,)) + ("auto", COLD):
+                for k in (K_RANGE if a >= 0.5 else (1,)) + ("auto", COLD, KEPT):
                     proposer = ControlledProposer(draft, len(ids) + n + 16, [reference], a, target.vocab_size, seed=seed)
+                    learned = _costs_for(k, costs, learned if k == KEPT else None)
                     seconds, rows = _timed(lambda: generate(target, [ids], greedy, n, proposer=proposer,
-                                                            k="auto" if k == COLD else k,
-                                                            call_costs=None if k == COLD else costs))
+                                                            k=k if isinstance(k, int) else "auto", call_costs=learned))
                     runs.append({"a": a, "k": k, "seed": seed, "seconds": seconds,
                                  "identical": rows[0].token_ids == reference, "measured_a": proposer.measured_acceptance(),
                                  "drafted": proposer.drafted, "accepted": proposer.accepted})
@@ -270,9 +284,9 @@ def report(rows: list[dict]) -> str:
         lines.append(f"| {r['case']} | {r['runtime']} | {statistics.median(r['plain_seconds']) / r['tokens'] * 1e3:.0f} | "
                      f"{r['c']:.3f} | {' / '.join(f'{v[m]:.2f}' for m in (2, 3, 5, 9))} | {memory} |")
     lines += ["", "Speed-ups over plain decoding, each the median over the seeds.", "",
-              "| case | a | measured a | adaptive k: speed-up | adaptive k, cold costs | best fixed k: k, speed-up | "
+              "| case | a | measured a | adaptive k: speed-up | adaptive k, cold costs | adaptive k, costs kept | best fixed k: k, speed-up | "
               "predicted (best k) | vs llama.cpp plain (adaptive) | llama.cpp predicted | greedy = plain |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["runtime"] == "specdec" and "runs" in r):
         plain = statistics.median(r["plain_seconds"])
         v = {int(m): x for m, x in r["v"].items()}
@@ -282,7 +296,7 @@ def report(rows: list[dict]) -> str:
             seconds = {k: statistics.median(run["seconds"] for run in runs if run["k"] == k)
                        for k in dict.fromkeys(run["k"] for run in runs)}  # median over the seeds
             auto = {"seconds": seconds["auto"]}
-            cold = f"{plain / seconds[COLD]:.2f}x" if COLD in seconds else "-"
+            cold, kept = (f"{plain / seconds[key]:.2f}x" if key in seconds else "-" for key in (COLD, KEPT))
             fixed = min(({"k": k, "seconds": t} for k, t in seconds.items() if isinstance(k, int)),
                         key=lambda run: run["seconds"])
             best_pred = max(K_RANGE, key=lambda k: predicted_speedup(a, k, r["c"], v))
@@ -294,7 +308,7 @@ def report(rows: list[dict]) -> str:
                 vs_peer = f"{peer_plain / auto['seconds']:.2f}x"
                 peer_pred = f"{max(predicted_speedup(a, k, peer['c'], pv) for k in K_RANGE):.2f}x"
             same = all(run["identical"] for run in runs)
-            lines.append(f"| {r['case']} | {a:.1f} | {measured_a:.3f} | {plain / auto['seconds']:.2f}x | {cold} | "
+            lines.append(f"| {r['case']} | {a:.1f} | {measured_a:.3f} | {plain / auto['seconds']:.2f}x | {cold} | {kept} | "
                          f"k={fixed['k']}: {plain / fixed['seconds']:.2f}x | "
                          f"k={best_pred}: {predicted_speedup(a, best_pred, r['c'], v):.2f}x | {vs_peer} | {peer_pred} | "
                          f"{'yes' if same else 'NO'} |")

@@ -212,6 +212,20 @@ def test_the_scale_benchmark_measures_a_case_and_resumes(small, tmp_path):
 
 
 @needs_kernels
+def test_the_scale_benchmark_fills_the_context_when_asked(small, tmp_path):
+    """``--fill``: the later process prefills a ``--context``-token prompt with the draft's cache
+    filled and held, and reads its peak again (a measured figure, not the KV added as computed)."""
+    from specdec.bench import scale
+
+    case = str(small("qwen2-small"))
+    (row,) = scale.run_scale(tmp_path / "scale", [case], case, 512, 2, 16.0, llamacpp=False, fill=True)
+    later = row["later"]
+    assert "error" not in later and later["filled_held"], row
+    assert later["filled_peak_rss_gb"] >= later["peak_rss_gb"] > 0 and later["fill_s"] > 0
+    assert "with 512 filled" in (tmp_path / "scale" / "scale.md").read_text()
+
+
+@needs_kernels
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama.cpp is an optional extra: pip install -e '.[llamacpp]'")
 def test_the_scale_benchmark_runs_llama_cpp_beside_and_interleaved(small, tmp_path, monkeypatch):
     from specdec.bench import scale

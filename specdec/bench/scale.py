@@ -10,8 +10,10 @@ For each case (a synthetic shape and mix of :mod:`specdec.models.synthetic`, e.g
   3 interleaved repeats) and one forward of 1/2/5/9 tokens after 200 (the cost of verifying k
   drafted tokens against one);
 * **peak RSS** of that process (``VmHWM``), the draft model loaded too when ``--draft`` is given,
-  beside the file's size; the KV cache of a ``--context``-token row is added as computed (fp32
-  keys and values), since a short benchmark prompt never fills it.
+  beside the file's size; the KV cache of a ``--context``-token row is added as computed, since a
+  short benchmark prompt never fills it, or with ``--fill`` measured: the process then also
+  prefills a ``--context``-token prompt (the draft's cache filled and held beside the target's;
+  llama.cpp evaluates the same prompt) and reads its peak again.
 
 llama.cpp (``pip install -e '.[llamacpp]'``) runs the same file, threads and context the same way;
 then both run in one process, alternating for 4 rounds (TPOT and the 5-token forward), since
@@ -31,9 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-def prompt(vocab: int) -> list[int]:
-    """32 token ids (synthetic weights make every prompt alike)."""
-    return [(1000 + i) % vocab for i in range(32)]
+def prompt(vocab: int, n: int = 32) -> list[int]:
+    """``n`` token ids (synthetic weights make every prompt alike)."""
+    return [(1000 + i) % vocab for i in range(n)]
 SIZES = (1, 2, 3, 5, 9)
 
 
@@ -52,7 +54,7 @@ def case_file(case: str) -> Path:
 
 
 def run_scale(out: Path, cases: list[str], draft: str | None, context: int, tokens: int, memory_cap: float,
-              llamacpp: bool) -> list[dict]:
+              llamacpp: bool, fill: bool = False) -> list[dict]:
     """Measure every case not yet in ``out/scale.jsonl``; returns all rows and writes ``scale.md``."""
     from specdec.bench import llamacpp as peer
     from specdec.runtime.native import cpu_name
@@ -76,7 +78,7 @@ def run_scale(out: Path, cases: list[str], draft: str | None, context: int, toke
                 loading.forget_file(path)
             row["first"] = _child(runtime, path, None, context, tokens, memory_cap, full=False)
             row["later"] = _child(runtime, path, draft if runtime == "specdec" else None, context, tokens, memory_cap,
-                                  full=True)
+                                  full=True, fill=fill)
             _append(out, done, row)
         ours = next((r for r in done if r["case"] == case and r["runtime"] == "specdec"), {"later": {"error": ""}})
         if ("llama.cpp" in runtimes and "error" not in ours["later"]
@@ -108,10 +110,10 @@ def _threads() -> int:
 
 
 def _child(runtime: str, path: Path, draft: str | None, context: int, tokens: int, memory_cap: float,
-           full: bool) -> dict:
+           full: bool, fill: bool = False) -> dict:
     """One measurement in a fresh process; ``wall_to_first_token_s`` counts Python's start."""
     spec = json.dumps({"runtime": runtime, "path": str(path), "draft": draft, "context": context, "tokens": tokens,
-                       "full": full, "threads": _threads()})
+                       "full": full, "fill": fill, "threads": _threads()})
     cap = int(memory_cap * 1e9)
     start = time.time()
     run = subprocess.run([sys.executable, "-m", "specdec.bench.scale", spec], capture_output=True, text=True,
@@ -169,8 +171,32 @@ def _measure_specdec(spec: dict) -> dict:
                 seconds[count].append(time.perf_counter() - t)
         tpot = (statistics.median(seconds[1 + n]) - statistics.median(seconds[1])) / n
         forward = forward_scaling(target.model, sizes=SIZES)
-    return {**result, "tpot_ms": tpot * 1e3, "forward_ms": {k: v * 1e3 for k, v in forward.items()},
-            "peak_rss_gb": peak_rss() / 1e9, "kv_gb": kv / 1e9}
+        result.update(tpot_ms=tpot * 1e3, forward_ms={k: v * 1e3 for k, v in forward.items()},
+                      peak_rss_gb=peak_rss() / 1e9, kv_gb=kv / 1e9)
+        if spec.get("fill"):
+            result.update(_fill_specdec(target.model, draft.model if spec["draft"] else None, spec["context"]))
+    return result
+
+
+def _fill_specdec(target, draft, context: int) -> dict:
+    """Peak RSS with the context full: the draft's cache filled to ``context`` tokens (by its own
+    forwards, in :data:`~specdec.core.prefill.STEP_TOKENS` chunks) and held while the target
+    prefills a ``context``-token prompt through the engine, as a speculative request of that length."""
+    import torch
+
+    from specdec.core.engine import generate
+    from specdec.core.prefill import STEP_TOKENS
+    from specdec.verify.sampling import SamplingParams
+
+    t, held = time.perf_counter(), None
+    if draft is not None:
+        held = draft.new_cache(1, context)
+        ids = torch.tensor([prompt(draft.vocab_size, context - 1)])  # [1, context - 1]
+        for a in range(0, ids.shape[1], STEP_TOKENS):
+            block = ids[:, a : a + STEP_TOKENS]
+            draft(block, held, logit_index=torch.tensor([[block.shape[1] - 1]]))
+    generate(target, [prompt(target.vocab_size, context - 1)], SamplingParams(temperature=0.0), 1)
+    return {"filled_peak_rss_gb": peak_rss() / 1e9, "fill_s": time.perf_counter() - t, "filled_held": held is not None}
 
 
 def _measure_llamacpp(spec: dict) -> dict:
@@ -193,8 +219,13 @@ def _measure_llamacpp(spec: dict) -> dict:
             seconds[count].append(peer.greedy_seconds(llm, ids, count))
     tpot = (statistics.median(seconds[1 + n]) - statistics.median(seconds[1])) / n
     forward = peer.forward_scaling(llm, sizes=SIZES)
-    return {**result, "tpot_ms": tpot * 1e3, "forward_ms": {k: v * 1e3 for k, v in forward.items()},
-            "peak_rss_gb": peak_rss() / 1e9}
+    result.update(tpot_ms=tpot * 1e3, forward_ms={k: v * 1e3 for k, v in forward.items()}, peak_rss_gb=peak_rss() / 1e9)
+    if spec.get("fill"):
+        t = time.perf_counter()
+        llm.reset()
+        llm.eval(prompt(llm.n_vocab(), spec["context"] - 1))
+        result.update(filled_peak_rss_gb=peak_rss() / 1e9, fill_s=time.perf_counter() - t)
+    return result
 
 
 def _measure_interleaved(spec: dict, rounds: int = 4) -> dict:
@@ -249,6 +280,8 @@ def report(rows: list[dict]) -> str:
         f = {int(k): v for k, v in later["forward_ms"].items()}
         scaling = " / ".join(f"{f[n] / f[1]:.2f}" if n in f else "-" for n in (2, 3, 5, 9))
         kv = f" (+{later['kv_gb']:.2f})" if "kv_gb" in later else ""
+        if "filled_peak_rss_gb" in later:  # measured with the context full, not added
+            kv = f"; {later['filled_peak_rss_gb']:.2f} with {row['context']} filled"
         lines.append(f"| {row['case']} | {row['file_gb']:.2f} | {row['runtime']} | {first['wall_to_first_token_s']:.1f} | "
                      f"{later['wall_to_first_token_s']:.1f} | {later['peak_rss_gb']:.2f}{kv} | {later['tpot_ms']:.0f} | "
                      f"{ratio} | {scaling} |")

@@ -50,6 +50,10 @@ def add(sub: argparse._SubParsersAction) -> None:
     scale.add_argument("--memory-cap", type=float, default=None, metavar="GB",
                        help="address-space limit of each measured process (default: 90%% of this machine's memory)")
     scale.add_argument("--no-llamacpp", action="store_true", help="measure specdec alone")
+    scale.add_argument("--fill", action="store_true",
+                       help="measure the peak RSS with the --context filled (a --context-token prompt prefilled, "
+                            "the draft's cache held beside the target's) instead of adding the KV cache as computed; "
+                            "minutes a case at 7-8B")
     spec = p.add_argument_group("speculate mode (--speculate): speculation at 1-8B at a controlled acceptance")
     spec.add_argument("--speculate", default=None, metavar="CASES",
                       help="comma-separated SHAPE:MIX or GGUF paths (as --scale), each run with --draft (a "
@@ -113,7 +117,7 @@ def run_scale(args: argparse.Namespace) -> int:
     cap = args.memory_cap or 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     out = Path(args.out)
     measure(out, args.scale.split(","), args.draft or None, args.context, args.max_new_tokens or 32, cap,
-            not args.no_llamacpp)
+            not args.no_llamacpp, fill=args.fill)
     print((out / "scale.md").read_text())
     print(f"wrote {out / 'scale.jsonl'} and {out / 'scale.md'}")
     return 0

@@ -1,7 +1,8 @@
 """`specdec serve` under concurrent clients: throughput and latency, speculative vs plain.
 
 For each server configuration (``--methods``: "default" = what `specdec serve` speculates with
-by default, "none" = plain decoding) and each concurrency level (``--clients``), that many
+by default, "none" = plain decoding; ``METHOD+flood``: the same while one more client sends
+``--flood`` long prompts at once, for admission fairness) and each concurrency level (``--clients``), that many
 clients each send ``--requests`` streaming chat requests one after another (the bench's
 workload prompts, all categories interleaved, greedy), and we record per request the time to first token,
 the end-to-end latency and the completion tokens (from the final usage chunk). Aggregate
@@ -36,6 +37,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,15 +58,18 @@ PEERS = ("llamacpp", "llamacpp_draft", "openvino", "vllm", "vllm_ngram")  # llam
 
 
 CONTEXT = 2304  # tokens per request slot: a long prompt (~1,700 tokens) and its answer
+FLOOD = "+flood"  # METHOD+flood: the same server, while one more client floods it (--flood)
 
 
 def long_prompts(editing: list[str], count: int = 8) -> list[list[dict]]:
     """``count`` chat prompts over 1,500 tokens each: the bench's editing modules, all of them in
-    a rotated order (so that no two share their start: the prefix cache gives them nothing)."""
+    a rotated order (so that no two share their start: the prefix cache gives them nothing; past
+    one rotation each, a numbered first line keeps them apart)."""
     out = []
     for r in range(count):
         modules = editing[r % len(editing):] + editing[: r % len(editing)]
         body = "\n\n".join(f"Module {i + 1}:\n{m}" for i, m in enumerate(modules))
+        body = body if r < len(editing) else f"Request {r + 1}.\n\n{body}"
         out.append([{"role": "user", "content": f"{body}\n\nSay in one sentence each what these modules do."}])
     return out
 
@@ -83,7 +88,7 @@ def start_server(args, method: str, extra: list[str] = ()) -> tuple[subprocess.P
         return llama_server.start(gguf_file(args.target), draft, os.cpu_count() or 1, context=CONTEXT,
                                   parallel=args.max_batch)
     port = llama_server.free_port()
-    method, _, step = method.partition("@")  # METHOD@N: --step-tokens N (0: whole prompts)
+    method, _, step = method.removesuffix(FLOOD).partition("@")  # METHOD@N: --step-tokens N (0: whole prompts)
     cmd = [sys.executable, "-m", "specdec", "serve", "--target", args.target, "--dtype", args.dtype, "--port", str(port),
            *([] if method == "default" else ["--proposer", method]), "--max-batch", str(args.max_batch),
            "--max-model-len", str(CONTEXT), "--served-model-name", "bench", *(["--step-tokens", step] if step else []), *extra]
@@ -140,17 +145,21 @@ def engine_counters(url: str, metrics_path: str = "/metrics") -> dict[str, float
     return out
 
 
-def one_request(url: str, messages: list[dict], max_tokens: int) -> dict:
+def one_request(url: str, messages: list[dict], max_tokens: int, user: str | None = None, stop=None) -> dict:
     """One streamed greedy chat request: its TTFT, latency, tokens, text, and the error that ended
-    it (an HTTP status or a stream without its end) instead of raising."""
+    it (an HTTP status or a stream without its end) instead of raising. ``user``: the OpenAI
+    body's client name (the server admits clients in turn); ``stop``: an Event that, once set,
+    closes the stream (the server then cancels the request)."""
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **({"user": user} if user else {})}
     start = time.perf_counter()
     first, usage, text, done, times = None, None, [], False, []
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=1800) as r:
             r.raise_for_status()
             for line in r.iter_lines():
+                if stop is not None and stop.is_set():
+                    return {"error": "stopped"}
                 done = done or line.strip() == "data: [DONE]"
                 if not line.startswith("data: {"):
                     continue
@@ -188,17 +197,27 @@ def level_prompts(levels: list[tuple[int, int]], requests_of, count: int) -> dic
 
 
 def run_level(url: str, prompts: list, indices: list[int], clients: int, requests: int, max_tokens: int,
-              long_ids: set[int] = frozenset()) -> dict:
+              long_ids: set[int] = frozenset(), flood: list[list[dict]] = ()) -> dict:
+    """``clients`` clients (each its own "user") send their ``requests`` one after another; with
+    ``flood``, one more client ("flood") first sends all of those prompts at once, and its streams
+    are closed when the measured clients are done (it is not measured: what it does to them is)."""
     jobs = [[indices[c * requests + i] for i in range(requests)] for c in range(clients)]
 
-    def client(mine):
-        return [{"prompt": i, **one_request(url, prompts[i], max_tokens)} for i in mine]
+    def client(c):
+        return [{"prompt": i, **one_request(url, prompts[i], max_tokens, user=f"client-{c}")} for i in jobs[c]]
 
     before = engine_counters(url)
+    stop = threading.Event()
+    flooding = ThreadPoolExecutor(max(len(flood), 1))
+    floods = [flooding.submit(one_request, url, p, max_tokens, "flood", stop) for p in flood]
+    _wait_queued(url, len(flood))
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = [r for rs in pool.map(client, jobs) for r in rs]
+        results = [r for rs in pool.map(client, range(clients)) for r in rs]
     wall = time.perf_counter() - start
+    stop.set()
+    flood_done = sum("error" not in f.result() for f in floods)
+    flooding.shutdown()
     after = engine_counters(url)
     calls = after.pop("target_calls", 0.0) - before.pop("target_calls", 0.0)
     engine_s = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
@@ -218,7 +237,18 @@ def run_level(url: str, prompts: list, indices: list[int], clients: int, request
             "median_request_tok_s": _percentile([r["tokens"] / r["latency_s"] for r in ok], 50),
             "median_accepted_per_call": statistics.median(accepted) if accepted else None,
             "engine_time_s": engine_s,  # where the engine's time went during the level
+            "flood": len(flood), "flood_finished": flood_done,
             "target_calls": calls, "texts": {str(r["prompt"]): r.get("text") for r in results}}
+
+
+def _wait_queued(url: str, n: int, timeout: float = 60.0) -> None:
+    """Until the server holds ``n`` requests (a flood in before the measured clients start)."""
+    guard = time.time() + timeout
+    while n and time.time() < guard:
+        health = httpx.get(url + "/health", timeout=10).json()
+        if health.get("waiting", 0) + health.get("prefilling", 0) + health.get("batch", 0) >= n:
+            return
+        time.sleep(0.02)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -281,6 +311,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("serve-out"))
     ap.add_argument("--long-every", type=int, default=0,
                     help="every N-th prompt is a long one (~1,700 tokens: the editing modules, rotated); 0: none")
+    ap.add_argument("--flood", type=int, default=50,
+                    help="for a METHOD+flood server: one more client sends this many long prompts at once as "
+                         "each level starts (its own \"user\"; not measured: the other clients' TTFT is)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "runs.jsonl"
@@ -297,6 +330,7 @@ def main() -> None:
             prompts.insert(at, p)
         long_ids = {i for i, p in enumerate(prompts) if any(p is q for q in longs)}
     methods = args.methods.split(",")
+    floods = long_prompts(load_workloads(include_extra=True)["editing"]["prompts"], args.flood)
     todo = [(rnd, m, int(c)) for rnd in range(args.rounds) for c in args.clients.split(",")
             for m in (methods if rnd % 2 == 0 else methods[::-1]) if (rnd, m, int(c)) not in done]
     requests_of = lambda clients: args.requests if clients > 1 else 2 * args.requests
@@ -329,7 +363,7 @@ def main() -> None:
             record = {"round": rnd, "method": method, "max_tokens": args.max_tokens, "dtype": args.dtype,
                       "prompt_indices": mine,
                       **run_level(servers[method][1], prompts, mine, clients, requests_of(clients), args.max_tokens,
-                                  long_ids)}
+                                  long_ids, floods if method.endswith(FLOOD) else ())}
             with log.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             runs.append(record)

@@ -272,6 +272,45 @@ def test_specdec_serve_command_answers_and_shuts_down_gracefully(gen, tmp_path):
             proc.kill()
 
 
+@pytest.mark.parametrize("step_tokens", [8, None], ids=["chunked", "negative-control-whole-prompts"])
+def test_a_flood_of_long_prompts_is_held_back_until_the_engine_starts_them(gen, step_tokens):
+    """With chunked prefill the scheduler hands the engine a client's prompts only while the
+    engine's prompts not yet started fit in one step: with 4 rows, A's 6 long prompts sent at
+    once do not all take rows before their turn, and B's request, sent after them, is handed on
+    at the next step, with A's second. Negative control: whole prompts (no step budget) give A's
+    first 4 the rows at once, and B has none. (The worker's loop run by hand, step by step.)"""
+    import asyncio
+
+    from specdec.core.rows import Request
+    from specdec.server.metrics import ServerMetrics
+    from specdec.server.scheduler import Job, Scheduler
+    from specdec.verify.sampling import SamplingParams
+
+    sched = Scheduler(gen, ServeConfig(SpeculationConfig.plain(), max_batch=4, max_queue=16, max_model_len=320,
+                                       step_tokens=step_tokens), ServerMetrics())
+    loop = asyncio.new_event_loop()
+    try:
+        def job(client: str, n: int) -> Job:
+            return Job(0, Request([1 + i % 90 for i in range(n)], SamplingParams(temperature=0.0), 20), [], asyncio.Queue(),
+                       loop, client=client)
+
+        def handed(client: str) -> int:
+            return sum(j.client == client for j in sched._jobs.values())
+
+        sched.submit([job("a", 120) for _ in range(6)])
+        sched._take_inbox()
+        assert handed("a") == (1 if step_tokens else 4)
+        sched.submit([job("b", 3)])
+        sched._take_inbox()
+        sched.session.step()  # A's first prompt starts: its first chunk
+        sched._take_inbox()
+        assert handed("b") == (1 if step_tokens else 0)
+        assert handed("a") == (2 if step_tokens else 4)  # (B's 3 positions left room for A's next)
+    finally:
+        sched.stop()
+        loop.close()
+
+
 @pytest.mark.parametrize("other_user", ["b", "a"], ids=["another-client", "negative-control-same-client"])
 def test_one_clients_flood_does_not_queue_another_client_behind_it(gen, other_user):
     """Admission is per client (the body's "user"): with one row, client A sends 6 requests at

@@ -222,6 +222,12 @@ class Engine:
         return self.max_batch - len(self.rows) - len(self.filling) - len(self.waiting)
 
     @property
+    def queued_positions(self) -> int:
+        """Prompt positions of the requests admitted but not started (waiting, or filling with no
+        chunk planned yet): what a server may still hold back for a fairer order."""
+        return sum(len(r.request.prompt) for r in self.waiting) + sum(f.left for f in self.filling if not f.started)
+
+    @property
     def busy(self) -> bool:
         return bool(self.rows or self.waiting or self.filling)
 

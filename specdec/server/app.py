@@ -268,7 +268,9 @@ class OpenAIServer:
     # -- routes ---------------------------------------------------------------------------------
 
     async def health(self):
-        return {"status": "ok", "batch": len(self.scheduler.engine.rows), "waiting": self.scheduler.waiting()}
+        engine = self.scheduler.engine
+        return {"status": "ok", "batch": len(engine.rows), "prefilling": len(engine.filling),
+                "waiting": self.scheduler.waiting()}
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from specdec.api import TextGenerator
@@ -233,11 +233,21 @@ class Scheduler:
         self.metrics.queue.set(self.waiting())
 
     def _release(self) -> None:
-        """Hand the engine as many held jobs as it has room for, one client at a time in turn
-        (round robin over the clients with jobs held), so that one client's flood of requests
-        does not queue every other client's behind it."""
-        while self._held and self.engine.room > 0:
-            client = next(iter(self._held))
+        """Hand the engine held jobs while it has room, so that one client's flood of requests
+        does not queue every other client's behind it:
+
+        * the next job is the held one of the client with the fewest jobs in the engine (ties:
+          round robin, a client to the back of the turn once served);
+        * with chunked prefill, only while the engine's prompts not yet started are under one
+          step's budget: the rest stay here, where a later client's request can still go first
+          (handed to the engine, a flood's prompts would hold its rows before their turn).
+
+        (No row is kept back for clients yet to come: behind a proxy, or in the benchmarks,
+        every request is one address's, and a kept row would cost one in every ``max_batch``.)"""
+        budget = self.config.step_tokens
+        while self._held and self.engine.room > 0 and (budget is None or self.engine.queued_positions < budget):
+            in_engine = Counter(job.client for job in self._jobs.values())
+            client = min(self._held, key=lambda c: in_engine[c])  # (the dict keeps the turn's order)
             queue = self._held.pop(client)
             self._start(queue.popleft())
             self._n_held -= 1

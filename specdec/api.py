@@ -18,7 +18,7 @@ from specdec.core.rows import Request
 from specdec.runtime.head import DraftHead
 from specdec.proposers.suffix import SuffixHistory
 from specdec.models import heads, loading
-from specdec.models.costs import load_costs, save_costs
+from specdec.models.costs import calibrate, calibrated, load_costs, save_costs
 from specdec.runtime.linear import DEFAULT_DTYPE
 from specdec.verify.sampling import SamplingParams
 from specdec.text.chat import encode_messages
@@ -157,6 +157,9 @@ class TextGenerator:
         """An engine over the target with ``spec``'s proposer, each row holding up to ``tokens``
         (prompt + max_new_tokens), made by :func:`~specdec.core.engine.new_engine` (for the API,
         bench and server). ``prefix_cache``: KV of earlier prompts and answers to reuse (the target's own); ``token_budget``: positions a step computes (chunked prefill, :class:`Engine`)."""
+        if spec.k == "auto" and not calibrated(self.call_costs):
+            calibrate(self.target.model, self.call_costs)  # once per model and machine: kept with the rest
+            self.keep_costs()
         return new_engine(self.target.model, tokens, lambda capacity: spec.build(self, capacity), k=spec.k,
                           k_max=spec.k_max, eos_token_ids=set() if ignore_eos else self.eos_token_ids, seed=seed,
                           max_batch=max_batch, prefix_cache=prefix_cache, token_budget=token_budget,

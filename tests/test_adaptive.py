@@ -298,3 +298,32 @@ def test_call_costs_outlive_the_process_keyed_by_model_and_machine(tmp_path, hom
     for bad in ({"scale": 1.0, "shape": {}}, {"scale": 1.0, "shape": {"2": 0.9, "3": 1.2}}, {"shape": {"1": 1.0}}):
         with pytest.raises((ValueError, KeyError)):
             CallCosts.from_state(bad)
+
+
+def test_the_first_adaptive_engine_calibrates_the_call_sizes_once(tmp_path, home, monkeypatch):
+    """With no costs kept, the first engine with adaptive k measures one-row calls of every
+    CALIBRATION_SIZES first (a first one-shot run otherwise prices k from the sizes it happens
+    to try) and keeps them; the next process reads them and measures nothing; a fixed k or
+    plain decoding never calibrates."""
+    from specdec.api import TextGenerator
+    from specdec.models import costs as costs_module
+    from tiny_models import hf_tiny, save_hf_dir
+
+    directory = str(save_hf_dir(hf_tiny("qwen2", seed=0), tmp_path / "m"))
+    gen = TextGenerator.load(directory, dtype="int8")
+    gen.engine(gen.speculation("ngram", k=3), 64)
+    assert not costs_module.calibrated(gen.call_costs) and gen.call_costs.scale is None
+    gen.engine(gen.speculation("ngram", k="auto"), 64)
+    assert costs_module.calibrated(gen.call_costs) and costs_module.costs_path(gen.target).is_file()
+    kept = gen.call_costs.state()
+    assert all(r > 0 for r in kept["shape"].values()) and kept["shape"]["1"] == 1.0
+    import specdec.api
+
+    calls = []
+    monkeypatch.setattr(specdec.api, "calibrate", lambda *a, **k: calls.append(1) or costs_module.calibrate(*a, **k))
+    again = TextGenerator.load(directory, dtype="int8")
+    again.engine(again.speculation("ngram", k="auto"), 64)
+    assert again.call_costs.state() == kept and not calls
+    monkeypatch.setattr(costs_module, "CALIBRATION_SIZES", costs_module.CALIBRATION_SIZES + (4,))
+    again.engine(again.speculation("ngram", k="auto"), 64)  # (the negative control: a size not kept)
+    assert calls == [1]

@@ -50,15 +50,16 @@ def test_the_formula_is_the_chain_formula():
 
 def test_the_kept_run_starts_from_what_the_cold_run_learned():
     """``auto-kept`` is a second one-shot process: it reads the cold run's costs through the JSON
-    form kept on disk, not the process's shared ones (nor the same object, which it would change)."""
+    form kept on disk, not the process's shared ones (nor the same object, which it would change).
+    (A cold run given the target is calibrated first: tests/test_adaptive.py tests calibrate.)"""
     from specdec.bench.controlled import COLD, KEPT, _costs_for
     from specdec.core.adaptive import CallCosts
 
     shared = CallCosts()
-    cold = _costs_for(COLD, shared, None)
+    cold, _ = _costs_for(COLD, shared, None)
     assert cold is not shared and not cold.shape
     for n, seconds in ((1, 0.05), (5, 0.06), (1, 0.052)):
         cold.observe(n, seconds)
-    kept = _costs_for(KEPT, shared, cold)
-    assert kept is not cold and kept.state() == cold.state()
-    assert _costs_for(3, shared, None) is shared and _costs_for("auto", shared, None) is shared
+    kept, seconds = _costs_for(KEPT, shared, cold)
+    assert kept is not cold and kept.state() == cold.state() and seconds == 0.0
+    assert _costs_for(3, shared, None)[0] is shared and _costs_for("auto", shared, None)[0] is shared

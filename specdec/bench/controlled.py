@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from specdec.core.adaptive import CallCosts
+from specdec.models.costs import calibrate
 from specdec.proposers.base import Proposal, no_drafts
 from specdec.proposers.draft_model import DraftModelProposer, DraftRow
 from specdec.verify.sampling import SamplingMetadata
@@ -195,15 +196,19 @@ def _memory(spec: dict) -> dict:
     return {"peak_rss_gb": peak_rss() / 1e9, "files_gb": files / 1e9}
 
 
-def _costs_for(k, shared: CallCosts, cold: CallCosts | None) -> CallCosts:
-    """The call costs a run of ``k`` starts from: the process's shared ones, fresh ones for
-    :data:`COLD`, and for :data:`KEPT` what the cold run before it learned, through the JSON form
-    :mod:`specdec.models.costs` keeps between processes (as a second ``specdec generate`` reads them)."""
+def _costs_for(k, shared: CallCosts, cold: CallCosts | None, model=None) -> tuple[CallCosts, float]:
+    """The call costs a run of ``k`` starts from: the process's shared ones; for :data:`COLD`
+    fresh ones, calibrated on ``model`` as a first ``specdec generate`` does
+    (:func:`specdec.models.costs.calibrate`; not timed with the run: the report gives its
+    seconds); for :data:`KEPT` what the cold run before it learned, through the JSON form
+    :mod:`specdec.models.costs` keeps between processes (as a second ``specdec generate`` reads them).
+    Also returns the calibration's seconds (0 but for a cold run)."""
     if k == COLD:
-        return CallCosts()
+        fresh = CallCosts()
+        return fresh, (calibrate(model, fresh) if model is not None else 0.0)
     if k == KEPT:
-        return CallCosts.from_state(json.loads(json.dumps(cold.state())))
-    return shared
+        return CallCosts.from_state(json.loads(json.dumps(cold.state()))), 0.0
+    return shared, 0.0
 
 
 def _measure_specdec(spec: dict) -> dict:
@@ -231,10 +236,10 @@ def _measure_specdec(spec: dict) -> dict:
             for a in spec["acceptances"]:
                 for k in (K_RANGE if a >= 0.5 else (1,)) + ("auto", COLD, KEPT):
                     proposer = ControlledProposer(draft, len(ids) + n + 16, [reference], a, target.vocab_size, seed=seed)
-                    learned = _costs_for(k, costs, learned if k == KEPT else None)
+                    learned, calibration = _costs_for(k, costs, learned if k == KEPT else None, target)
                     seconds, rows = _timed(lambda: generate(target, [ids], greedy, n, proposer=proposer,
                                                             k=k if isinstance(k, int) else "auto", call_costs=learned))
-                    runs.append({"a": a, "k": k, "seed": seed, "seconds": seconds,
+                    runs.append({"a": a, "k": k, "seed": seed, "seconds": seconds, "calibration_s": calibration,
                                  "identical": rows[0].token_ids == reference, "measured_a": proposer.measured_acceptance(),
                                  "drafted": proposer.drafted, "accepted": proposer.accepted})
                     print(f"  seed {seed} a={a} k={k}: {seconds:.2f} s (plain {min(plain):.2f} s), measured a "

@@ -278,7 +278,8 @@ def test_a_flood_of_long_prompts_is_held_back_until_the_engine_starts_them(gen, 
     engine's prompts not yet started fit in one step: with 4 rows, A's 6 long prompts sent at
     once do not all take rows before their turn, and B's request, sent after them, is handed on
     at the next step, with A's second. Negative control: whole prompts (no step budget) give A's
-    first 4 the rows at once, and B has none. (The worker's loop run by hand, step by step.)"""
+    first 4 the rows at once, and B has none. When all that is held fits the rows, it all goes at
+    once (the engine orders it shortest first). (The worker's loop run by hand, step by step.)"""
     import asyncio
 
     from specdec.core.rows import Request
@@ -306,6 +307,12 @@ def test_a_flood_of_long_prompts_is_held_back_until_the_engine_starts_them(gen, 
         sched._take_inbox()
         assert handed("b") == (1 if step_tokens else 0)
         assert handed("a") == (2 if step_tokens else 4)  # (B's 3 positions left room for A's next)
+        sched.stop()
+        sched = Scheduler(gen, ServeConfig(SpeculationConfig.plain(), max_batch=4, max_queue=16, max_model_len=320,
+                                           step_tokens=step_tokens), ServerMetrics())
+        sched.submit([job("c", 120) for _ in range(4)])
+        sched._take_inbox()
+        assert handed("c") == 4  # all that is held fits: nothing is contested, nothing paced
     finally:
         sched.stop()
         loop.close()

@@ -181,11 +181,14 @@ def _measure_specdec(spec: dict) -> dict:
 def _fill_specdec(target, draft, context: int) -> dict:
     """Peak RSS with the context full: the draft's cache filled to ``context`` tokens (by its own
     forwards, in :data:`~specdec.core.prefill.STEP_TOKENS` chunks) and held while the target
-    prefills a ``context``-token prompt through the engine, as a speculative request of that length."""
+    prefills a ``context``-token prompt through the engine in chunks of the same size, as
+    ``specdec generate`` and the server do (a whole 4k prompt in one call held ~1 GB of a 7B's
+    intermediates at once)."""
     import torch
 
-    from specdec.core.engine import generate
+    from specdec.core.engine import new_engine, steps
     from specdec.core.prefill import STEP_TOKENS
+    from specdec.core.rows import Request
     from specdec.verify.sampling import SamplingParams
 
     t, held = time.perf_counter(), None
@@ -195,7 +198,10 @@ def _fill_specdec(target, draft, context: int) -> dict:
         for a in range(0, ids.shape[1], STEP_TOKENS):
             block = ids[:, a : a + STEP_TOKENS]
             draft(block, held, logit_index=torch.tensor([[block.shape[1] - 1]]))
-    generate(target, [prompt(target.vocab_size, context - 1)], SamplingParams(temperature=0.0), 1)
+    engine = new_engine(target, context, None, token_budget=STEP_TOKENS)  # prefilled in chunks, as TextGenerator does
+    row = engine.add(Request(prompt(target.vocab_size, context - 1), SamplingParams(temperature=0.0), 1))
+    for _ in steps(engine, [row]):
+        pass
     return {"filled_peak_rss_gb": peak_rss() / 1e9, "fill_s": time.perf_counter() - t, "filled_held": held is not None}
 
 

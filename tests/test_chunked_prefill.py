@@ -237,3 +237,49 @@ def test_a_short_prompt_does_not_wait_behind_a_long_one_being_filled():
         for _ in steps(alone, [ref]):
             pass
         assert row.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("clients", [("a", "flood", "b"), ("", "", "")], ids=["three-clients", "negative-control-one-client"])
+def test_a_clients_flood_prefills_a_small_chunk_a_step_beside_another_clients_row(clients):
+    """Client A's row decodes; a flood of three 100-token prompts joins, then client B's
+    40-token prompt. With a budget of 64, the flood's prompts fill at most 64 / 8 = 8 positions a
+    step between them while A and B have a request each (``BACKGROUND_CHUNK_SHARE``), B's prompt
+    fills first and gets its first token in its first step, and every answer is the one of its
+    request alone. Negative control: every request one client's (as a library caller's): the
+    flood fills at the whole budget, shortest remaining first, and B's prompt, then longer than
+    what is left of the flood's first, waits behind it."""
+    from specdec.core.engine import BACKGROUND_CHUNK_SHARE
+
+    target = ours(hf_tiny("qwen2", seed=0), "int8")
+
+    class Logged(Engine):
+        planned: list[int] = []
+
+        def _plan(self, budget):
+            plan = super()._plan(budget)
+            self.planned.append(sum(e - s for s, e in plan))
+            return plan
+
+    engine = Logged(target, capacity=kv_capacity(200, 0, 0), token_budget=64)
+    running = engine.add(Request([1, 2, 3], GREEDY, 60, client=clients[0]))
+    engine.step()
+    flood = [engine.add(Request([(7 * i + j) % 97 for i in range(100)], GREEDY, 4, client=clients[1])) for j in range(3)]
+    engine.step()
+    b = engine.add(Request([(5 * i) % 97 for i in range(40)], GREEDY, 4, client=clients[2]))
+    engine.planned.clear()
+    engine.step()
+    if clients[1] == "flood":
+        assert b.token_ids and engine.planned == [40 + int(64 * BACKGROUND_CHUNK_SHARE)]
+        for _ in range(3):
+            engine.step()
+        assert all(n <= int(64 * BACKGROUND_CHUNK_SHARE) for n in engine.planned[1:]), engine.planned
+    else:
+        assert not b.token_ids and engine.planned == [63]
+    for _ in steps(engine, [running, b] + flood):
+        pass
+    for row in [running, b] + flood:
+        alone = Engine(target, capacity=kv_capacity(200, 0, 0))
+        ref = alone.add(Request(row.request.prompt, GREEDY, row.request.max_new_tokens))
+        for _ in steps(alone, [ref]):
+            pass
+        assert row.token_ids == ref.token_ids

@@ -24,7 +24,7 @@ function, is :func:`specdec.core.reference.reference_generate`: read it first.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -49,6 +49,11 @@ from specdec.verify.chain import ChainVerification, verify_chain_unchecked
 
 # With a token budget, prompt chunks get at least this share of it even when decoding takes it all.
 MIN_CHUNK_SHARE = 0.25
+# With a token budget and more than one client in the engine, the prompt of a client with other
+# requests in it (a flood) prefills at most this share of a step, after other clients' prompts: its
+# chunks no longer lengthen the steps that every other client's rows and first tokens wait for
+# (docs/BENCHMARKS.md §8, the flood rows).
+BACKGROUND_CHUNK_SHARE = 0.125
 
 
 class PhaseTimer:
@@ -440,13 +445,16 @@ class Engine:
         """Order the prompts being filled by what is left to prefill (a prompt not started yet:
         beyond its cached prefix), shortest first, moving their cache rows (a started row's
         written slots only): a short request then never waits behind a long prompt's chunks,
-        which brings the mean time to first token down (shortest remaining time first)."""
+        which brings the mean time to first token down (shortest remaining time first). Prompts
+        of :meth:`_background` clients come after all others."""
         def left(f: Filling) -> int:
             if f.started or self.prefix is None:
                 return f.left
             return f.left - len(self.prefix.match(f.prompt, self.want_hidden)) * self.prefix.block
 
-        order = sorted(range(len(self.filling)), key=lambda j: left(self.filling[j]))
+        background = self._background()
+        order = sorted(range(len(self.filling)),
+                       key=lambda j: (self.filling[j].row.request.client in background, left(self.filling[j])))
         if order != list(range(len(order))):
             self.cache.reorder(len(self.rows), order)
             self.filling = [self.filling[j] for j in order]
@@ -456,9 +464,14 @@ class Engine:
         order (:meth:`_shortest_first`), ``budget`` positions in all. A prompt starts (:meth:`_start_fill`) when its turn
         comes; one that shares more whole blocks with a prompt planned before it in this step
         than the prefix cache holds waits for the next step, and the prompts after it too: it
-        then takes that prefix from the cache (same-step sharing, as :meth:`_share_prefixes`)."""
+        then takes that prefix from the cache (same-step sharing, as :meth:`_share_prefixes`). The
+        prompts of :meth:`_background` clients share at most ``BACKGROUND_CHUNK_SHARE`` of the budget."""
         plan: list[tuple[int, int]] = []
+        background = self._background()
         for j, f in enumerate(self.filling):
+            if f.row.request.client in background:  # (they come last: the rest of the budget, capped)
+                budget = min(budget, max(1, int(self.token_budget * BACKGROUND_CHUNK_SHARE)))
+                background = set()
             if budget <= 0:
                 break
             if not f.started:
@@ -469,6 +482,17 @@ class Engine:
             plan.append((f.done, f.done + n))
             budget -= n
         return plan
+
+    def _background(self) -> set[str]:
+        """The clients (``Request.client``) with more than one request in the engine, while
+        another has just one: a flood beside a client waiting for its answer, whose prompts then
+        prefill behind the others', a small chunk a step. (One client alone, as every library
+        caller is, or clients that all have several, fill at the whole budget.)"""
+        jobs = Counter(r.request.client for r in self.rows)
+        jobs.update(f.row.request.client for f in self.filling)
+        jobs.update(r.request.client for r in self.waiting)
+        heavy = {c for c, n in jobs.items() if n > 1}
+        return heavy if len(heavy) < len(jobs) else set()
 
     def _shares_uncached(self, prompt: list[int], before: list[list[int]]) -> bool:
         """Whether ``prompt`` shares at least one whole block more with one of the prompts

@@ -44,12 +44,15 @@ def commit_tokens(res: RowResult, ids: list[int], eos_token_ids, max_new_tokens:
 class Request:
     """What a caller asks for: a prompt's token ids, how to sample, how many tokens at most.
     ``seed``: sample this request reproducibly from its own generator (the same answer whatever
-    else runs; see :mod:`specdec.verify.reproducible`); None: rejection sampling from the engine's stream."""
+    else runs; see :mod:`specdec.verify.reproducible`); None: rejection sampling from the engine's stream.
+    ``client``: who sent it (a server's per-client admission): with chunked prefill, the prompt of a
+    client that has other requests in the engine fills behind other clients' (``Engine._plan``)."""
 
     prompt: list[int]
     params: SamplingParams
     max_new_tokens: int
     seed: int | None = None
+    client: str = ""
 
 
 @dataclass(eq=False)  # rows are compared by identity (two requests may be alike)

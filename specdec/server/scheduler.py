@@ -17,7 +17,7 @@ import asyncio
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specdec.api import TextGenerator
 from specdec.core.rows import Request, RowState
@@ -238,18 +238,22 @@ class Scheduler:
 
         * the next job is the held one of the client with the fewest jobs in the engine (ties:
           round robin, a client to the back of the turn once served);
-        * when more is held than the engine has room for, and with chunked prefill, only while
-          the engine's prompts not yet started are under one step's budget: the rest stay here,
-          where a later client's request can still go first (handed to the engine, a flood's
-          prompts would hold its rows before their turn). When all that is held fits, all of it
-          goes, and the engine orders the prompts shortest first among themselves.
+        * when more is held than the engine has room for, and with chunked prefill, a client's
+          job that has others in the engine goes only while the engine's prompts not yet started
+          are under one step's budget: the rest stay here, where a later client's request can
+          still go first (handed to the engine, a flood's prompts would hold its rows before
+          their turn); a client with none there goes at once, and its prompt fills before the
+          flood's (``Engine._background``). When all that is held fits, all of it goes, and the
+          engine orders the prompts shortest first among themselves.
 
         (No row is kept back for clients yet to come: behind a proxy, or in the benchmarks,
         every request is one address's, and a kept row would cost one in every ``max_batch``.)"""
         budget = self.config.step_tokens if self._n_held > self.engine.room else None  # rows contested: pace them
-        while self._held and self.engine.room > 0 and (budget is None or self.engine.queued_positions < budget):
+        while self._held and self.engine.room > 0:
             in_engine = Counter(job.client for job in self._jobs.values())
             client = min(self._held, key=lambda c: in_engine[c])  # (the dict keeps the turn's order)
+            if budget is not None and in_engine[client] and self.engine.queued_positions >= budget:
+                break
             queue = self._held.pop(client)
             self._start(queue.popleft())
             self._n_held -= 1
@@ -263,7 +267,7 @@ class Scheduler:
         return jobs
 
     def _start(self, job: Job) -> None:
-        job.text = self.session.add(job.request, job.stop)
+        job.text = self.session.add(replace(job.request, client=job.client), job.stop)
         self._jobs[id(job.text.row)] = job
 
     def _publish(self, updates: list[TextUpdate]) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -157,6 +158,9 @@ def one_request(url: str, messages: list[dict], max_tokens: int, user: str | Non
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=1800) as r:
             r.raise_for_status()
+            if stop is not None:  # a prompt still prefilling sends nothing: shut its socket from beside
+                sock = r.extensions["network_stream"].get_extra_info("socket")
+                threading.Thread(target=_shut_when, args=(stop, sock), daemon=True).start()
             for line in r.iter_lines():
                 if stop is not None and stop.is_set():
                     return {"error": "stopped"}
@@ -170,15 +174,27 @@ def one_request(url: str, messages: list[dict], max_tokens: int, user: str | Non
                     first = first or times[-1]
                     text.append(content)
                 usage = chunk.get("usage") or usage
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.StreamError) as exc:
+        if stop is not None and stop.is_set():
+            return {"error": "stopped"}
         return {"error": f"{type(exc).__name__}: {exc}"}
     end = time.perf_counter()
+    if stop is not None and stop.is_set():
+        return {"error": "stopped"}
     if not done or usage is None:
         return {"error": "the stream ended without its usage and [DONE]"}
     tokens = usage["completion_tokens"]
     return {"ttft_s": (first or end) - start, "latency_s": end - start, "tokens": tokens, "text": "".join(text),
             "tpot_s": (end - (first or end)) / max(tokens - 1, 1), "gaps_s": [b - a for a, b in zip(times, times[1:])],
             "accepted_per_call": (usage.get("speculative") or {}).get("accepted_per_call")}
+
+
+def _shut_when(stop: threading.Event, sock: socket.socket) -> None:
+    stop.wait()
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # (the stream had ended)
+        pass
 
 
 def level_prompts(levels: list[tuple[int, int]], requests_of, count: int) -> dict[tuple[int, int], list[int]]:

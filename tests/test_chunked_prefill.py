@@ -283,3 +283,36 @@ def test_a_clients_flood_prefills_a_small_chunk_a_step_beside_another_clients_ro
         for _ in steps(alone, [ref]):
             pass
         assert row.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("client", ["flood", ""], ids=["named-client", "negative-control-unnamed"])
+def test_a_named_clients_flood_alone_fills_a_quarter_of_a_step(client):
+    """A named client's three 100-token prompts, nobody else's: with a budget of 64, each step
+    fills at most 64 / 4 = 16 positions (``FLOOD_CHUNK_SHARE``: a client that comes waits for the
+    step in flight, no longer), and the answers are those of each request alone. Negative control:
+    the unnamed client (every library caller) fills at the whole budget."""
+    from specdec.core.engine import FLOOD_CHUNK_SHARE
+
+    target = ours(hf_tiny("qwen2", seed=0), "int8")
+
+    class Logged(Engine):
+        planned: list[int] = []
+
+        def _plan(self, budget):
+            plan = super()._plan(budget)
+            self.planned.append(sum(e - s for s, e in plan))
+            return plan
+
+    engine = Logged(target, capacity=kv_capacity(200, 0, 0), token_budget=64)
+    flood = [engine.add(Request([(7 * i + j) % 97 for i in range(100)], GREEDY, 4, client=client)) for j in range(3)]
+    for _ in range(3):
+        engine.step()
+    assert engine.planned == ([int(64 * FLOOD_CHUNK_SHARE)] * 3 if client else [64, 64, 63])  # (63: a row decodes)
+    for _ in steps(engine, flood):
+        pass
+    for row in flood:
+        alone = Engine(target, capacity=kv_capacity(200, 0, 0))
+        ref = alone.add(Request(row.request.prompt, GREEDY, 4))
+        for _ in steps(alone, [ref]):
+            pass
+        assert row.token_ids == ref.token_ids

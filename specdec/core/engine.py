@@ -49,11 +49,14 @@ from specdec.verify.chain import ChainVerification, verify_chain_unchecked
 
 # With a token budget, prompt chunks get at least this share of it even when decoding takes it all.
 MIN_CHUNK_SHARE = 0.25
-# With a token budget and more than one client in the engine, the prompt of a client with other
-# requests in it (a flood) prefills at most this share of a step, after other clients' prompts: its
-# chunks no longer lengthen the steps that every other client's rows and first tokens wait for
-# (docs/BENCHMARKS.md §8, the flood rows).
-BACKGROUND_CHUNK_SHARE = 0.125
+# With a token budget, the prompts of a named client (``Request.client``) that has several requests in
+# the engine (a flood) prefill after other clients' prompts, at most this share of a step between them
+# while another client has, or just had, a request in it; at most FLOOD_CHUNK_SHARE while it is alone
+# (a client that comes then waits for the step in flight). A prefill token costs what a tenth to a fifth
+# of a decoding step does on 2 cores: the flood's chunks set every step's length (docs/BENCHMARKS.md §8).
+BACKGROUND_CHUNK_SHARE = 1 / 32
+FLOOD_CHUNK_SHARE = 1 / 4
+RECENT_STEPS = 16  # a client counts as present this many steps after its last request left (its next one's on the way)
 
 
 class PhaseTimer:
@@ -146,6 +149,9 @@ class Engine:
         if token_budget is not None and token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.token_budget = token_budget
+        self._seen: dict[str, int] = {}  # client -> the last step (of _fill's) it had a request in the engine
+        self._fills = 0
+        self._background_now: tuple[set[str], float] = (set(), 1.0)  # this step's (:meth:`_background`)
         self.target, self.proposer, self.verifier = target, proposer, verifier
         self.k = k if proposer is not None else 0
         self.k_max, self.capacity, self.max_batch = k_max, capacity, max_batch
@@ -416,6 +422,7 @@ class Engine:
         ``budget`` prompt positions to the prompts being filled, shortest first, and let the
         rows whose prompt is complete join the batch with their first token."""
         self._admit()
+        self._background_now = self._background()
         self._shortest_first()
         plan = self._plan(budget)
         if not plan:
@@ -452,7 +459,7 @@ class Engine:
                 return f.left
             return f.left - len(self.prefix.match(f.prompt, self.want_hidden)) * self.prefix.block
 
-        background = self._background()
+        background = self._background_now[0]
         order = sorted(range(len(self.filling)),
                        key=lambda j: (self.filling[j].row.request.client in background, left(self.filling[j])))
         if order != list(range(len(order))):
@@ -465,12 +472,12 @@ class Engine:
         comes; one that shares more whole blocks with a prompt planned before it in this step
         than the prefix cache holds waits for the next step, and the prompts after it too: it
         then takes that prefix from the cache (same-step sharing, as :meth:`_share_prefixes`). The
-        prompts of :meth:`_background` clients share at most ``BACKGROUND_CHUNK_SHARE`` of the budget."""
+        prompts of :meth:`_background` clients share at most its share of the budget."""
         plan: list[tuple[int, int]] = []
-        background = self._background()
+        background, share = self._background_now
         for j, f in enumerate(self.filling):
             if f.row.request.client in background:  # (they come last: the rest of the budget, capped)
-                budget = min(budget, max(1, int(self.token_budget * BACKGROUND_CHUNK_SHARE)))
+                budget = min(budget, max(1, int(self.token_budget * share)))
                 background = set()
             if budget <= 0:
                 break
@@ -483,16 +490,23 @@ class Engine:
             budget -= n
         return plan
 
-    def _background(self) -> set[str]:
-        """The clients (``Request.client``) with more than one request in the engine, while
-        another has just one: a flood beside a client waiting for its answer, whose prompts then
-        prefill behind the others', a small chunk a step. (One client alone, as every library
-        caller is, or clients that all have several, fill at the whole budget.)"""
+    def _background(self) -> tuple[set[str], float]:
+        """The clients whose prompts prefill behind the others', a small chunk a step, and that
+        chunk's share of the budget: named clients (``Request.client``) with several requests in
+        the engine, ``BACKGROUND_CHUNK_SHARE`` while another client has (or had within
+        ``RECENT_STEPS`` steps, its next request on the way) at most one, else
+        ``FLOOD_CHUNK_SHARE``. (The unnamed client, as every library caller is, and clients that
+        all have several beside each other, fill at the whole budget.)"""
+        self._fills += 1
         jobs = Counter(r.request.client for r in self.rows)
         jobs.update(f.row.request.client for f in self.filling)
         jobs.update(r.request.client for r in self.waiting)
+        self._seen.update(dict.fromkeys(jobs, self._fills))
+        self._seen = {c: t for c, t in self._seen.items() if self._fills - t <= RECENT_STEPS}
         heavy = {c for c, n in jobs.items() if n > 1}
-        return heavy if len(heavy) < len(jobs) else set()
+        if len(self._seen) > len(heavy):
+            return heavy, BACKGROUND_CHUNK_SHARE
+        return (heavy - {""}, FLOOD_CHUNK_SHARE) if len(heavy) == 1 else (set(), 1.0)
 
     def _shares_uncached(self, prompt: list[int], before: list[list[int]]) -> bool:
         """Whether ``prompt`` shares at least one whole block more with one of the prompts

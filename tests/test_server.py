@@ -318,6 +318,43 @@ def test_a_flood_of_long_prompts_is_held_back_until_the_engine_starts_them(gen, 
         loop.close()
 
 
+def test_a_clients_held_jobs_all_cancelled_leave_the_others_to_run(gen):
+    """With one row, A's running job and its two held ones, and B's held one: A cancels both of
+    its held jobs (its queue is then empty) and the next release hands on B's, where it raised
+    "pop from an empty deque" and killed the server. (The worker's loop run by hand.)"""
+    import asyncio
+
+    from specdec.core.rows import Request
+    from specdec.server.metrics import ServerMetrics
+    from specdec.server.scheduler import Job, Scheduler
+    from specdec.verify.sampling import SamplingParams
+
+    sched = Scheduler(gen, ServeConfig(SpeculationConfig.plain(), max_batch=1, max_queue=16, max_model_len=320),
+                      ServerMetrics())
+    loop = asyncio.new_event_loop()
+    try:
+        def job(client: str) -> Job:
+            return Job(0, Request([1, 2, 3], SamplingParams(temperature=0.0), 4), [], asyncio.Queue(), loop,
+                       client=client)
+
+        a = [job("a") for _ in range(3)]
+        sched.submit(a)
+        sched._take_inbox()
+        b = job("b")
+        sched.submit([b])
+        sched.cancel(a[1:])
+        sched._take_inbox()
+        for _ in range(20):  # the worker's loop
+            if b.text is not None:
+                break
+            sched._publish(sched.session.step())
+            sched._take_inbox()
+        assert b.text is not None and not sched._held and sched._n_held == 0
+    finally:
+        sched.stop()
+        loop.close()
+
+
 @pytest.mark.parametrize("other_user", ["b", "a"], ids=["another-client", "negative-control-same-client"])
 def test_one_clients_flood_does_not_queue_another_client_behind_it(gen, other_user):
     """Admission is per client (the body's "user"): with one row, client A sends 6 requests at

@@ -222,6 +222,8 @@ class Scheduler:
             held = self._held.get(job.client)
             if job.text is None and held is not None and job in held:
                 held.remove(job)
+                if not held:
+                    del self._held[job.client]  # (_release takes a client's queue as not empty)
                 self._n_held -= 1
                 self._emit(job, {"finish_reason": "cancelled", "text": ""})
                 self.metrics.requests.labels("cancelled").inc()

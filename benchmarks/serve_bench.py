@@ -254,7 +254,8 @@ def run_level(url: str, prompts: list, indices: list[int], clients: int, request
             "median_accepted_per_call": statistics.median(accepted) if accepted else None,
             "engine_time_s": engine_s,  # where the engine's time went during the level
             "flood": len(flood), "flood_finished": flood_done,
-            "target_calls": calls, "texts": {str(r["prompt"]): r.get("text") for r in results}}
+            "target_calls": calls, "ttfts_s": [round(r["ttft_s"], 3) for r in ok],  # (in each client's order)
+            "texts": {str(r["prompt"]): r.get("text") for r in results}}
 
 
 def _wait_queued(url: str, n: int, timeout: float = 60.0) -> None:

@@ -316,3 +316,27 @@ def test_a_named_clients_flood_alone_fills_a_quarter_of_a_step(client):
         for _ in steps(alone, [ref]):
             pass
         assert row.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("held", [5, 0], ids=["five-held", "negative-control-none-held"])
+def test_a_clients_requests_held_by_the_server_count_toward_its_flood(held):
+    """A named client's one 100-token prompt in the engine and ``held`` more held back by a
+    server (``Engine.held``, as the scheduler paces a flood): it is a flood, a quarter of the
+    budget a step. Negative control: nothing held, one request: the whole budget."""
+    from specdec.core.engine import FLOOD_CHUNK_SHARE
+
+    target = ours(hf_tiny("qwen2", seed=0), "int8")
+
+    class Logged(Engine):
+        planned: list[int] = []
+
+        def _plan(self, budget):
+            plan = super()._plan(budget)
+            self.planned.append(sum(e - s for s, e in plan))
+            return plan
+
+    engine = Logged(target, capacity=kv_capacity(200, 0, 0), token_budget=64)
+    engine.held["flood"] = held
+    engine.add(Request([(7 * i) % 97 for i in range(100)], GREEDY, 4, client="flood"))
+    engine.step()
+    assert engine.planned == [int(64 * FLOOD_CHUNK_SHARE) if held else 64]

@@ -149,6 +149,9 @@ class Engine:
         if token_budget is not None and token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.token_budget = token_budget
+        # Requests a server holds back per client, not handed to the engine yet: a client's load counts them
+        # (:meth:`_background`; set by :class:`specdec.server.scheduler.Scheduler`)
+        self.held: Counter[str] = Counter()
         self._seen: dict[str, int] = {}  # client -> the last step (of _fill's) it had a request in the engine
         self._fills = 0
         self._background_now: tuple[set[str], float] = (set(), 1.0)  # this step's (:meth:`_background`)
@@ -493,7 +496,7 @@ class Engine:
     def _background(self) -> tuple[set[str], float]:
         """The clients whose prompts prefill behind the others', a small chunk a step, and that
         chunk's share of the budget: named clients (``Request.client``) with several requests in
-        the engine, ``BACKGROUND_CHUNK_SHARE`` while another client has (or had within
+        the engine or held for it (``held``), ``BACKGROUND_CHUNK_SHARE`` while another client has (or had within
         ``RECENT_STEPS`` steps, its next request on the way) at most one, else
         ``FLOOD_CHUNK_SHARE``. (The unnamed client, as every library caller is, and clients that
         all have several beside each other, fill at the whole budget.)"""
@@ -501,6 +504,7 @@ class Engine:
         jobs = Counter(r.request.client for r in self.rows)
         jobs.update(f.row.request.client for f in self.filling)
         jobs.update(r.request.client for r in self.waiting)
+        jobs.update(self.held)
         self._seen.update(dict.fromkeys(jobs, self._fills))
         self._seen = {c: t for c, t in self._seen.items() if self._fills - t <= RECENT_STEPS}
         heavy = {c for c, n in jobs.items() if n > 1}

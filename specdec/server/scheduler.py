@@ -261,6 +261,7 @@ class Scheduler:
             self._n_held -= 1
             if queue:
                 self._held[client] = queue  # (to the back of the turn)
+        self.engine.held = Counter({client: len(queue) for client, queue in self._held.items()})
 
     def _take_held(self) -> list[Job]:
         jobs = [job for queue in self._held.values() for job in queue]

@@ -240,17 +240,16 @@ class Scheduler:
 
         * the next job is the held one of the client with the fewest jobs in the engine (ties:
           round robin, a client to the back of the turn once served);
-        * when more is held than the engine has room for, and with chunked prefill, a client's
-          job that has others in the engine goes only while the engine's prompts not yet started
-          are under one step's budget: the rest stay here, where a later client's request can
-          still go first (handed to the engine, a flood's prompts would hold its rows before
-          their turn); a client with none there goes at once, and its prompt fills before the
-          flood's (``Engine._background``). When all that is held fits, all of it goes, and the
-          engine orders the prompts shortest first among themselves.
+        * with chunked prefill, a client's job that has others in the engine goes only while the
+          engine's prompts not yet started are under one step's budget (the engine fills no more
+          a step): the rest stay here, where a later client's request can still go first (handed
+          to the engine as they came, a burst's first prompts took every row, and the next
+          client waited for one to end); a client with none there goes at once, and its prompt
+          fills before the flood's (``Engine._background``, which counts what is held here).
 
         (No row is kept back for clients yet to come: behind a proxy, or in the benchmarks,
         every request is one address's, and a kept row would cost one in every ``max_batch``.)"""
-        budget = self.config.step_tokens if self._n_held > self.engine.room else None  # rows contested: pace them
+        budget = self.config.step_tokens
         while self._held and self.engine.room > 0:
             in_engine = Counter(job.client for job in self._jobs.values())
             client = min(self._held, key=lambda c: in_engine[c])  # (the dict keeps the turn's order)

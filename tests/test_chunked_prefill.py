@@ -239,6 +239,19 @@ def test_a_short_prompt_does_not_wait_behind_a_long_one_being_filled():
         assert row.token_ids == ref.token_ids
 
 
+class _Logged(Engine):
+    """An engine that logs the prompt positions each step's plan fills (``planned``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.planned: list[int] = []
+
+    def _plan(self, budget):
+        plan = super()._plan(budget)
+        self.planned.append(sum(e - s for s, e in plan))
+        return plan
+
+
 @pytest.mark.parametrize("clients", [("a", "flood", "b"), ("", "", "")], ids=["three-clients", "negative-control-one-client"])
 def test_a_clients_flood_prefills_a_small_chunk_a_step_beside_another_clients_row(clients):
     """Client A's row decodes; a flood of three 100-token prompts joins, then client B's
@@ -252,15 +265,7 @@ def test_a_clients_flood_prefills_a_small_chunk_a_step_beside_another_clients_ro
 
     target = ours(hf_tiny("qwen2", seed=0), "int8")
 
-    class Logged(Engine):
-        planned: list[int] = []
-
-        def _plan(self, budget):
-            plan = super()._plan(budget)
-            self.planned.append(sum(e - s for s, e in plan))
-            return plan
-
-    engine = Logged(target, capacity=kv_capacity(200, 0, 0), token_budget=64)
+    engine = _Logged(target, capacity=kv_capacity(200, 0, 0), token_budget=64)
     running = engine.add(Request([1, 2, 3], GREEDY, 60, client=clients[0]))
     engine.step()
     flood = [engine.add(Request([(7 * i + j) % 97 for i in range(100)], GREEDY, 4, client=clients[1])) for j in range(3)]
@@ -295,15 +300,7 @@ def test_a_named_clients_flood_alone_fills_a_quarter_of_a_step(client):
 
     target = ours(hf_tiny("qwen2", seed=0), "int8")
 
-    class Logged(Engine):
-        planned: list[int] = []
-
-        def _plan(self, budget):
-            plan = super()._plan(budget)
-            self.planned.append(sum(e - s for s, e in plan))
-            return plan
-
-    engine = Logged(target, capacity=kv_capacity(200, 0, 0), token_budget=64)
+    engine = _Logged(target, capacity=kv_capacity(200, 0, 0), token_budget=64)
     flood = [engine.add(Request([(7 * i + j) % 97 for i in range(100)], GREEDY, 4, client=client)) for j in range(3)]
     for _ in range(3):
         engine.step()
@@ -327,15 +324,7 @@ def test_a_clients_requests_held_by_the_server_count_toward_its_flood(held):
 
     target = ours(hf_tiny("qwen2", seed=0), "int8")
 
-    class Logged(Engine):
-        planned: list[int] = []
-
-        def _plan(self, budget):
-            plan = super()._plan(budget)
-            self.planned.append(sum(e - s for s, e in plan))
-            return plan
-
-    engine = Logged(target, capacity=kv_capacity(200, 0, 0), token_budget=64)
+    engine = _Logged(target, capacity=kv_capacity(200, 0, 0), token_budget=64)
     engine.held["flood"] = held
     engine.add(Request([(7 * i) % 97 for i in range(100)], GREEDY, 4, client="flood"))
     engine.step()

@@ -53,10 +53,10 @@ MIN_CHUNK_SHARE = 0.25
 # the engine (a flood) prefill after other clients' prompts, at most this share of a step between them
 # while another client has, or just had, a request in it; at most FLOOD_CHUNK_SHARE while it is alone
 # (a client that comes then waits for the step in flight). A prefill token costs what a tenth to a fifth
-# of a decoding step does on 2 cores: the flood's chunks set every step's length (docs/BENCHMARKS.md §8).
+# of a decoding step does on 2 cores: the flood's chunks set every step's length (docs/BENCHMARKS.md 8c).
 BACKGROUND_CHUNK_SHARE = 1 / 32
 FLOOD_CHUNK_SHARE = 1 / 4
-RECENT_STEPS = 16  # a client counts as present this many steps after its last request left (its next one's on the way)
+RECENT_STEPS = 16  # a client counts as present this many filling steps after its last request left (its next one is on the way)
 
 
 class PhaseTimer:
@@ -152,7 +152,7 @@ class Engine:
         # Requests a server holds back per client, not handed to the engine yet: a client's load counts them
         # (:meth:`_background`; set by :class:`specdec.server.scheduler.Scheduler`)
         self.held: Counter[str] = Counter()
-        self._seen: dict[str, int] = {}  # client -> the last step (of _fill's) it had a request in the engine
+        self._seen: dict[str, int] = {}  # client -> the last step with prompts to fill in which it had a request in the engine
         self._fills = 0
         self._background_now: tuple[set[str], float] = (set(), 1.0)  # this step's (:meth:`_background`)
         self.target, self.proposer, self.verifier = target, proposer, verifier
@@ -425,6 +425,8 @@ class Engine:
         ``budget`` prompt positions to the prompts being filled, shortest first, and let the
         rows whose prompt is complete join the batch with their first token."""
         self._admit()
+        if not self.filling:  # (a decoding step with nothing to fill: no client bookkeeping)
+            return []
         self._background_now = self._background()
         self._shortest_first()
         plan = self._plan(budget)
